@@ -1,0 +1,1 @@
+"""Attention core: sequence coordinates, block layouts, the mode and executor contracts."""

@@ -1,0 +1,97 @@
+"""The contract of an attention mode plugin (full attention, streaming, XAttention, MoBA, ...)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from elasticfw.attention.layout import BlockLayout
+from elasticfw.attention.seq import SeqInfo
+from elasticfw.registry import PluginConfig
+
+if TYPE_CHECKING:
+    from elasticfw.attention.executor import Executor
+
+
+@dataclass(frozen=True)
+class AttentionOutput:
+    """``out`` (B, Hq, Sq, D) in the input dtype and ``lse`` (B, Hq, Sq) float32 (natural log).
+
+    Rows that attend to nothing have ``out == 0`` and ``lse == -inf``.
+    """
+
+    out: torch.Tensor
+    lse: torch.Tensor
+
+
+def merge_lse(a: AttentionOutput, b: AttentionOutput) -> AttentionOutput:
+    """Combine two attentions over disjoint key sets as one softmax over their union."""
+    lse = torch.logaddexp(a.lse, b.lse)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    wa = torch.where(torch.isfinite(a.lse), torch.exp(a.lse - safe), torch.zeros_like(lse))
+    wb = torch.where(torch.isfinite(b.lse), torch.exp(b.lse - safe), torch.zeros_like(lse))
+    out = a.out.float() * wa[..., None] + b.out.float() * wb[..., None]
+    return AttentionOutput(out.to(a.out.dtype), lse)
+
+
+class ModeConfig(PluginConfig):
+    """Base of every mode's recipe section."""
+
+
+class AttentionMode(ABC):
+    """An attention mode: turns (q, k) into the block layout it computes.
+
+    Subclasses set ``name`` and ``config_class`` (a :class:`ModeConfig` with
+    ``name: Literal[name]``; its defaults are the paper's, with the source in the docstring),
+    implement :meth:`build_layout`, and may add a :meth:`side_branch` (an extra attention merged
+    by log-sum-exp, e.g. NSA's compressed keys). Layout construction runs without gradients.
+    """
+
+    name: ClassVar[str]
+    config_class: ClassVar[type[ModeConfig]]
+
+    def __init__(self, config: ModeConfig | None = None) -> None:
+        self.config = config if config is not None else self.config_class()
+
+    @property
+    def block_size(self) -> int:
+        """Block size of the layouts this mode builds (its config's ``block_size``)."""
+        return int(getattr(self.config, "block_size"))  # noqa: B009 - every mode config has it
+
+    @abstractmethod
+    def build_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> BlockLayout:
+        """Layout for q (B, Hq, Sq, D) against start-aligned keys k (B, Hkv, Sk, D).
+
+        The result has 1, Hkv or Hq heads and ``self.block_size`` blocks.
+        """
+
+    def side_branch(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SeqInfo, *, scale: float
+    ) -> AttentionOutput | None:
+        """Optional extra attention merged with the layout's by log-sum-exp (default: none)."""
+        return None
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seq: SeqInfo,
+        executor: Executor,
+        *,
+        scale: float,
+        layout: BlockLayout | None = None,
+    ) -> AttentionOutput:
+        """Run this mode for every head of q with ``executor`` (layout built if not given)."""
+        if layout is None:
+            with torch.no_grad():
+                layout = self.build_layout(q, k, seq)
+        result = executor.attend(q, k, v, layout, seq, scale=scale)
+        extra = self.side_branch(q, k, v, seq, scale=scale)
+        return merge_lse(result, extra) if extra is not None else result
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config!r})"

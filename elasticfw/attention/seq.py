@@ -1,0 +1,127 @@
+"""Where the real tokens are in a (possibly padded) batch, in elasticfw's canonical coordinates.
+
+Canonical coordinates (what modes, layouts and executors see):
+
+* Keys of sample ``b`` are *start-aligned*: key index ``j`` is the ``j``-th real token of that
+  sample, and keys ``j >= kv_len[b]`` are padding. (The transformers bridge rolls left-padded
+  samples into this form and back, so left and right padding look the same here.)
+* Query row ``i`` of sample ``b`` sits at position ``q_start[b] + i`` (a key index). A full
+  prefill has ``q_start == 0``; a decode step or a chunked prefill against a cache has
+  ``q_start == kv_len - q_len``. Rows whose position is ``>= kv_len[b]`` are padding rows: their
+  output is finite but meaningless.
+* Causality is ``j <= position``. Block ``n`` of size ``bs`` covers positions / key indices
+  ``[n*bs, (n+1)*bs)``, for queries and keys alike, so a block layout's query-block ``t`` of
+  sample ``b`` is position block ``q_start[b] // bs + t``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from elasticfw.errors import UnsupportedInputError
+
+
+@dataclass(frozen=True)
+class SeqInfo:
+    """Per-sample query offset and key length of a batch, in canonical coordinates."""
+
+    q_start: torch.Tensor  # (B,) int64
+    kv_len: torch.Tensor  # (B,) int64
+    q_len: int
+    kv_capacity: int
+
+    def __post_init__(self) -> None:
+        if self.q_start.dim() != 1 or self.kv_len.shape != self.q_start.shape:
+            raise UnsupportedInputError(
+                f"SeqInfo: q_start and kv_len must both be (batch,) tensors, got "
+                f"{tuple(self.q_start.shape)} and {tuple(self.kv_len.shape)}"
+            )
+
+    # -- constructors ----------------------------------------------------------------------
+    @classmethod
+    def dense(cls, batch: int, q_len: int, kv_len: int, device: torch.device | str = "cpu") -> SeqInfo:
+        """No padding; queries are the last ``q_len`` positions of ``kv_len`` keys."""
+        if q_len > kv_len:
+            raise UnsupportedInputError(f"q_len ({q_len}) cannot exceed kv_len ({kv_len})")
+        q_start = torch.full((batch,), kv_len - q_len, dtype=torch.long, device=device)
+        lens = torch.full((batch,), kv_len, dtype=torch.long, device=device)
+        return cls(q_start, lens, q_len, kv_len)
+
+    @classmethod
+    def from_lengths(
+        cls, kv_len: torch.Tensor, q_len: int, kv_capacity: int, q_start: torch.Tensor | None = None
+    ) -> SeqInfo:
+        """Right-padded batch of ``kv_len`` real keys; queries end where each sample ends
+        unless ``q_start`` says otherwise."""
+        kv_len = kv_len.to(torch.long)
+        if q_start is None:
+            q_start = (kv_len - q_len).clamp_min(0)
+        return cls(q_start.to(torch.long), kv_len, q_len, kv_capacity)
+
+    # -- derived quantities ------------------------------------------------------------
+    @property
+    def batch(self) -> int:
+        return int(self.q_start.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.q_start.device
+
+    def query_positions(self) -> torch.Tensor:
+        """(B, q_len) int64 position of every query row."""
+        rows = torch.arange(self.q_len, device=self.device)
+        return self.q_start[:, None] + rows[None, :]
+
+    def query_valid(self) -> torch.Tensor:
+        """(B, q_len) bool: rows that are real tokens (position < kv_len)."""
+        return self.query_positions() < self.kv_len[:, None]
+
+    def key_valid(self) -> torch.Tensor:
+        """(B, kv_capacity) bool."""
+        return torch.arange(self.kv_capacity, device=self.device)[None, :] < self.kv_len[:, None]
+
+    def q_block_start(self, block_size: int) -> torch.Tensor:
+        """(B,) position block of query-block row 0."""
+        return torch.div(self.q_start, block_size, rounding_mode="floor")
+
+    def num_query_blocks(self, block_size: int) -> int:
+        """Rows of a block layout: enough position blocks to cover every sample's queries."""
+        first = self.q_start % block_size
+        return int(((first + self.q_len + block_size - 1) // block_size).max().item()) if self.batch else 0
+
+    def num_key_blocks(self, block_size: int) -> int:
+        return (self.kv_capacity + block_size - 1) // block_size
+
+    def query_block_positions(self, block_size: int) -> torch.Tensor:
+        """(B, NQB) int64 position-block index of every layout row."""
+        nqb = self.num_query_blocks(block_size)
+        return self.q_block_start(block_size)[:, None] + torch.arange(nqb, device=self.device)[None, :]
+
+    def causal_pairs(self) -> torch.Tensor:
+        """(B,) int64 number of causal (query, key) pairs over real query rows."""
+        pos = self.query_positions()
+        valid = self.query_valid()
+        return torch.where(valid, pos + 1, torch.zeros_like(pos)).sum(-1)
+
+    def check(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Raise if ``q`` (B,Hq,Sq,D) / ``k`` (B,Hkv,Sk,D) do not fit this SeqInfo."""
+        if q.dim() != 4 or k.dim() != 4:
+            raise UnsupportedInputError(
+                f"attention tensors must be 4-D (batch, heads, seq, head_dim); got q {tuple(q.shape)}, "
+                f"k {tuple(k.shape)}"
+            )
+        if q.shape[0] != self.batch or k.shape[0] != self.batch:
+            raise UnsupportedInputError(f"batch mismatch: q {q.shape[0]}, k {k.shape[0]}, seq info {self.batch}")
+        if q.shape[2] != self.q_len or k.shape[2] != self.kv_capacity:
+            raise UnsupportedInputError(
+                f"length mismatch: q has {q.shape[2]} rows and k {k.shape[2]} keys, seq info expects "
+                f"{self.q_len} and {self.kv_capacity}"
+            )
+        if q.shape[1] % k.shape[1] != 0:
+            raise UnsupportedInputError(
+                f"GQA needs the query heads ({q.shape[1]}) to be a multiple of the KV heads ({k.shape[1]})"
+            )
+        if q.shape[-1] != k.shape[-1]:
+            raise UnsupportedInputError(f"head_dim mismatch: q {q.shape[-1]}, k {k.shape[-1]}")

@@ -1,0 +1,166 @@
+"""The ``elasticfw`` command line.
+
+    elasticfw plugins [--kind KIND] [--json]
+    elasticfw recipe validate FILE [key=value ...]
+    elasticfw recipe show FILE [key=value ...]
+    elasticfw recipe schema
+    elasticfw compare FILE [key=value ...]     # run every variant of a recipe's `compare:` list
+    elasticfw demo [key=value ...]             # the embedded comparison on the default model
+
+Errors elasticfw raises on purpose print as one paragraph and exit with status 2; anything else
+is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from elasticfw.errors import ElasticError
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    from elasticfw.registry import KINDS, get_registry
+
+    registry = get_registry()
+    rows: list[dict[str, Any]] = []
+    for entry in registry.entries(args.kind):
+        fields = {}
+        if entry.config_class is not None:
+            for fname, info in entry.config_class.model_fields.items():
+                if fname != "name":
+                    fields[fname] = None if info.is_required() else info.get_default(call_default_factory=True)
+        extra = {}
+        if entry.kind == "backbone":
+            extra["model_types"] = list(getattr(entry.cls, "model_types", ()))
+        rows.append(
+            {
+                "kind": entry.kind,
+                "name": entry.name,
+                "origin": entry.origin,
+                "entry_point": entry.entry_point,
+                "summary": entry.summary,
+                "config": fields,
+                **extra,
+            }
+        )
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+        return 0
+    for kind in KINDS if args.kind is None else [args.kind]:
+        kind_rows = [r for r in rows if r["kind"] == kind]
+        print(f"{kind} ({KINDS[kind].summary}):")
+        if not kind_rows:
+            print("  (none)")
+        for r in kind_rows:
+            print(f"  {r['name']:<18} from {r['origin']:<20} {r['summary']}")
+            if r["config"]:
+                print("      " + ", ".join(f"{k}={v!r}" for k, v in r["config"].items()))
+            if r.get("model_types"):
+                print("      model_types: " + ", ".join(r["model_types"]))
+    return 0
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from elasticfw.recipe import load_recipe
+
+    return load_recipe(args.file, args.overrides)
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    _load(args)
+    print(f"ok: {args.file} is a valid recipe")
+    return 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    recipe = _load(args)
+    print(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    from elasticfw.recipe import recipe_model
+
+    print(json.dumps(recipe_model().model_json_schema(), indent=2))
+    return 0
+
+
+def demo_recipe_path() -> Path:
+    return Path(str(resources.files("elasticfw") / "recipes" / "demo.yaml"))
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from elasticfw.eval.compare import run_comparison
+
+    recipe = _load(args)
+    run_comparison(recipe, out=args.output)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    args.file = str(demo_recipe_path())
+    print(f"elasticfw demo: recipe {args.file}", flush=True)
+    return _cmd_compare(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="elasticfw", description="Test-time adaptive sparse attention.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plugins", help="list registered plugins, their origin and config fields")
+    p.add_argument("--kind", choices=None, help="only this kind (sparse_mode, executor, router, ...)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_cmd_plugins)
+
+    recipe = sub.add_parser("recipe", help="validate, show or describe recipes")
+    rsub = recipe.add_subparsers(dest="recipe_command", required=True)
+    for name, func, text in (
+        ("validate", _cmd_validate, "validate a recipe without running it"),
+        ("show", _cmd_show, "print the resolved, validated recipe"),
+    ):
+        rp = rsub.add_parser(name, help=text)
+        rp.add_argument("file")
+        rp.add_argument("overrides", nargs="*", help="dotted.key=value")
+        rp.set_defaults(func=func)
+    rp = rsub.add_parser("schema", help="JSON schema of recipes (with the installed plugins)")
+    rp.set_defaults(func=_cmd_schema)
+
+    p = sub.add_parser("compare", help="run a recipe's compare: variants on the same samples")
+    p.add_argument("file")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value")
+    p.add_argument("--output", help="write the report JSON here (default: recipe output_dir or results/)")
+    p.set_defaults(func=_cmd_compare)
+
+    p = sub.add_parser("demo", help="full vs streaming vs retrieval-score heads on the default model")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. eval.task.num_samples=4")
+    p.add_argument("--output", help="write the report JSON here")
+    p.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "kind", None) is not None:
+        from elasticfw.registry import KINDS
+
+        if args.kind not in KINDS:
+            from elasticfw.registry import unknown_name_message
+
+            print(f"elasticfw: error: {unknown_name_message('plugin kind', args.kind, KINDS)}", file=sys.stderr)
+            return 2
+    try:
+        return int(args.func(args) or 0)
+    except ElasticError as exc:
+        print(f"elasticfw: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Evaluation: tasks, batched generation, comparison reports."""

@@ -1,0 +1,1 @@
+"""Elastic models: backbone adapters, model sources, the transformers bridge, adapters on disk."""

@@ -1,0 +1,142 @@
+"""Recipes: load (OmegaConf) → validate (pydantic) → a frozen ``Recipe`` object.
+
+>>> from elasticfw.recipe import load_recipe
+>>> recipe = load_recipe("recipes/quickstart.yaml", ["elastic.sparse_mode.sink_tokens=64"])
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from elasticfw.errors import RecipeError, suggest
+from elasticfw.recipe.loader import load_recipe_dict
+from elasticfw.recipe.schema import PLUGIN_FIELDS, recipe_model
+from elasticfw.registry import Registry, get_registry, unknown_name_message
+
+__all__ = ["load_recipe", "validate_recipe_data", "recipe_model", "format_validation_error"]
+
+_MISSING = object()
+
+
+def load_recipe(
+    path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, registry: Registry | None = None
+) -> Any:
+    """Load, merge, override, resolve and validate a recipe file."""
+    data = load_recipe_dict(path, overrides)
+    return validate_recipe_data(data, source=str(path), registry=registry)
+
+
+def validate_recipe_data(data: dict[str, Any], *, source: str = "<data>", registry: Registry | None = None) -> Any:
+    registry = registry or get_registry()
+    model = recipe_model(registry)
+    try:
+        return model.model_validate(data, context={"registry": registry})
+    except ValidationError as exc:
+        raise RecipeError(format_validation_error(exc, data, source, model, registry)) from None
+
+
+def _walk(data: Any, loc: tuple[Any, ...]) -> tuple[list[str], Any, list[Any]]:
+    """Follow a pydantic error location through the input, dropping discriminator tags.
+
+    Returns the user-facing path parts, the value found there, and the data nodes visited.
+    """
+    parts: list[str] = []
+    nodes: list[Any] = [data]
+    cur: Any = data
+    for item in loc:
+        if isinstance(cur, dict):
+            if item in cur:
+                parts.append(str(item))
+                cur = cur[item]
+            elif cur.get("name") == item:  # tag pydantic inserts for a discriminated union
+                continue
+            elif isinstance(item, str) and item.startswith(("function-", "[")):
+                continue
+            else:
+                parts.append(str(item))
+                cur = _MISSING
+        elif isinstance(cur, list) and isinstance(item, int):
+            parts.append(str(item))
+            cur = cur[item] if item < len(cur) else _MISSING
+        else:
+            if isinstance(item, str) and item.startswith(("function-", "[")):
+                continue
+            parts.append(str(item))
+            cur = _MISSING
+        nodes.append(cur)
+    return parts, cur, nodes
+
+
+def _section_class(model: type[BaseModel], parts: list[str], data: Any, registry: Registry) -> Any:
+    """The pydantic class of the section at ``parts`` (resolving plugin unions by name)."""
+    cls: Any = model
+    cur = data
+    for part in parts:
+        if isinstance(cur, list):
+            cur = cur[int(part)] if part.isdigit() and int(part) < len(cur) else None
+            continue
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or part not in cls.model_fields:
+            return None
+        field = cls.model_fields[part]
+        cur = cur.get(part) if isinstance(cur, dict) else None
+        if part in PLUGIN_FIELDS:
+            name = cur.get("name") if isinstance(cur, dict) else None
+            kind = PLUGIN_FIELDS[part]
+            cls = registry.entry(kind, name).config_class if (kind, name) in registry else None
+            continue
+        cls = _unwrap(field.annotation)
+    return cls
+
+
+def _unwrap(annotation: Any) -> Any:
+    from typing import get_args
+
+    for arg in (annotation, *get_args(annotation)):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+        for inner in get_args(arg):
+            if isinstance(inner, type) and issubclass(inner, BaseModel):
+                return inner
+    return None
+
+
+def format_validation_error(
+    exc: ValidationError, data: Any, source: str, model: type[BaseModel], registry: Registry
+) -> str:
+    lines = []
+    for err in exc.errors(include_url=False):
+        parts, value, _ = _walk(data, tuple(err["loc"]))
+        path = ".".join(parts) or "<recipe>"
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            section = _section_class(model, parts[:-1], data, registry)
+            allowed = sorted(section.model_fields) if section is not None else []
+            hint = suggest(parts[-1], allowed) if allowed else ""
+            lines.append(f"{path}: unknown key; {hint}allowed keys here: {', '.join(allowed) or '(none)'}")
+        elif kind in ("union_tag_invalid", "union_tag_not_found"):
+            field = parts[-1] if parts else ""
+            plugin_kind = PLUGIN_FIELDS.get(field, "plugin")
+            tag = (err.get("ctx") or {}).get("tag")
+            if kind == "union_tag_not_found" or tag is None:
+                lines.append(
+                    f"{path}.name: required — which {plugin_kind} plugin; registered: "
+                    f"{', '.join(registry.names(plugin_kind)) if plugin_kind != 'plugin' else '?'}"
+                )
+            else:
+                lines.append(f"{path}.name = {tag!r}: " + unknown_name_message(plugin_kind, tag, registry.names(plugin_kind)))
+        elif kind == "missing":
+            lines.append(f"{path}: required field is missing")
+        elif kind in ("model_type", "dict_type") and not isinstance(value, dict):
+            lines.append(f"{path} = {value!r}: expected a section (a mapping of keys to values)")
+        else:
+            msg = err["msg"]
+            if msg.startswith("Value error, "):
+                msg = msg[len("Value error, ") :]
+            shown = "" if value is _MISSING or isinstance(value, (dict, list)) else f" = {value!r}"
+            lines.append(f"{path}{shown}: {msg}")
+    count = len(lines)
+    head = f"invalid recipe {source!r} ({count} problem{'s' if count != 1 else ''}):"
+    return head + "".join(f"\n  - {line}" for line in lines)

@@ -1,0 +1,179 @@
+"""The recipe schema: pydantic models with ``extra="forbid"``, built from the registry.
+
+Plugin sections (``elastic.sparse_mode``, ``elastic.router``, ``eval.task`` ...) are
+discriminated unions on ``name`` of the config classes that registered plugins declare, so a
+third-party mode's parameters are validated exactly like a built-in's, and an error points at
+``elastic.sparse_mode.sink_tokens``, not at a stack trace.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator, model_validator
+
+from elasticfw.errors import suggest
+from elasticfw.registry import Registry, get_registry
+
+#: recipe field name → plugin kind, for error messages
+PLUGIN_FIELDS = {
+    "retrieval_mode": "sparse_mode",
+    "sparse_mode": "sparse_mode",
+    "router": "router",
+    "executor": "executor",
+    "task": "task",
+}
+
+_DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ModelSection(Section):
+    """Which causal LM to load and how."""
+
+    name: str = Field(
+        "smollm2-135m",
+        description="A registered short name (see `elasticfw plugins`), a local directory, or a hub id org/name.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights and activations dtype.")
+    device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda or cuda:N.")
+    revision: str | None = Field(None, description="Hub revision (hub ids only).")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if not _DEVICE.match(value):
+            raise ValueError(f"expected auto, cpu, cuda, cuda:N or mps, got {value!r}")
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str, info: ValidationInfo) -> str:
+        registry: Registry = (info.context or {}).get("registry") or get_registry()
+        if ("model", value) in registry or _HUB_ID.match(value) or Path(value).expanduser().exists():
+            return value
+        known = registry.names("model")
+        raise ValueError(
+            f"{value!r} is not a registered model name ({suggest(value, known)}registered: {', '.join(known)}), "
+            "an existing local path, or a hub id of the form org/name"
+        )
+
+
+def _base_elastic_fields(registry: Registry) -> dict[str, Any]:
+    modes = registry.config_union("sparse_mode")
+    full_default = _default_config(registry, "sparse_mode", "full")
+    sparse_default = _default_config(registry, "sparse_mode", "streaming")
+    return {
+        "retrieval_mode": (modes, Field(full_default, description="Mode of heads routed to retrieval (FA).")),
+        "sparse_mode": (modes, Field(sparse_default, description="Mode of heads routed to sparse (SA).")),
+        "router": (
+            registry.config_union("router"),
+            Field(_default_config(registry, "router", "mlp"), description="Which router assigns heads."),
+        ),
+        "executor": (
+            registry.config_union("executor"),
+            Field(_default_config(registry, "executor", "reference"), description="Attention backend."),
+        ),
+        "route_sliding_window_layers": (
+            bool,
+            Field(
+                False,
+                description="Also route layers the backbone runs with a sliding window (their window is kept "
+                "under every mode). Off: those layers run their native windowed attention.",
+            ),
+        ),
+    }
+
+
+def _default_config(registry: Registry, kind: str, name: str) -> Any:
+    if (kind, name) in registry:
+        return registry.entry(kind, name).config_class()  # type: ignore[misc]
+    return ...  # required when the default plugin is not installed
+
+
+def _check_block_sizes(section: BaseModel) -> BaseModel:
+    a = getattr(section.retrieval_mode, "block_size", None)  # type: ignore[attr-defined]
+    b = getattr(section.sparse_mode, "block_size", None)  # type: ignore[attr-defined]
+    if a and b and max(a, b) % min(a, b):
+        raise ValueError(
+            f"retrieval_mode.block_size={a} and sparse_mode.block_size={b} must divide one another so both "
+            "layouts can run in one launch"
+        )
+    return section
+
+
+@functools.lru_cache(maxsize=8)
+def _build_models(registry_id: int) -> type[BaseModel]:
+    registry = _REGISTRIES[registry_id]
+    elastic = create_model(
+        "ElasticSection",
+        __base__=Section,
+        __doc__="How heads are routed and run: the paper's {retrieval mode}-{sparse mode} configuration.",
+        __validators__={"_block_sizes": model_validator(mode="after")(_check_block_sizes)},
+        **_base_elastic_fields(registry),
+    )
+    evaluation = create_model(
+        "EvalSection",
+        __base__=Section,
+        __doc__="Evaluation: a task and how to run it.",
+        task=(registry.config_union("task"), Field(..., description="The task plugin and its parameters.")),
+        batch_size=(int, Field(1, ge=1, description="Samples per forward pass (padded batch).")),
+        max_new_tokens=(int, Field(12, ge=1, le=4096, description="Greedy tokens generated per sample.")),
+        padding_side=(Literal["left", "right"], Field("left", description="Where a batch is padded.")),
+    )
+    variant = create_model(
+        "CompareVariant",
+        __base__=Section,
+        __doc__="One row of a comparison: a label and the elastic section it runs with.",
+        label=(str, Field(..., min_length=1, description="Row label in the report.")),
+        elastic=(elastic, Field(..., description="The variant's elastic section (merged onto the recipe's).")),
+    )
+    recipe = create_model(
+        "Recipe",
+        __base__=Section,
+        __doc__="An elasticfw recipe.",
+        description=(str, Field("", description="What this recipe is for.")),
+        seed=(int, Field(0, description="Seed of every random choice (samples, router init, Gumbel noise).")),
+        model=(ModelSection, Field(ModelSection(), description="The backbone.")),
+        elastic=(elastic, Field(elastic(), description="Routing and attention modes.")),  # type: ignore[call-arg]
+        eval=(evaluation | None, Field(None, description="Evaluation settings (`elasticfw eval`).")),
+        compare=(
+            list[variant] | None,  # type: ignore[valid-type]
+            Field(None, description="Variants run on the same samples (`elasticfw compare`)."),
+        ),
+        output_dir=(str | None, Field(None, description="Where results are written (JSON).")),
+        __validators__={"_variants": model_validator(mode="before")(_merge_variants)},
+    )
+    return recipe
+
+
+def _merge_variants(data: Any) -> Any:
+    """Each ``compare[i].elastic`` is merged onto the recipe's ``elastic`` before validation."""
+    from elasticfw.recipe.loader import merge_sections
+
+    if not isinstance(data, dict) or not isinstance(data.get("compare"), list):
+        return data
+    base = data.get("elastic") or {}
+    merged = []
+    for item in data["compare"]:
+        if isinstance(item, dict) and isinstance(item.get("elastic", {}), dict):
+            item = {**item, "elastic": merge_sections(base, item.get("elastic") or {})}
+        merged.append(item)
+    return {**data, "compare": merged}
+
+
+_REGISTRIES: dict[int, Registry] = {}
+
+
+def recipe_model(registry: Registry | None = None) -> type[BaseModel]:
+    """The pydantic ``Recipe`` class for a registry (the process-wide one by default)."""
+    registry = registry or get_registry()
+    _REGISTRIES[id(registry)] = registry
+    return _build_models(id(registry))

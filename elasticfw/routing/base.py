@@ -1,0 +1,82 @@
+"""The contract of a router plugin."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from elasticfw.attention.seq import SeqInfo
+from elasticfw.registry import PluginConfig
+
+
+class RouterConfig(PluginConfig):
+    """Base of every router's recipe section."""
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """What a router needs to know about the backbone."""
+
+    routed_layers: tuple[int, ...]  # absolute layer indices the router decides for
+    num_kv_heads: int
+    num_q_heads: int
+    head_dim: int
+
+    @property
+    def num_routed(self) -> int:
+        return len(self.routed_layers)
+
+
+@dataclass(frozen=True)
+class RouterDecision:
+    """Per (sample, KV head) decision of one layer. ``sparse`` is 1.0 for the sparse mode and
+    0.0 for the retrieval mode; in training it carries the straight-through gradient of
+    ``prob_sparse``. ``logits`` is optional (learned routers)."""
+
+    sparse: torch.Tensor  # (B, Hkv) float
+    prob_sparse: torch.Tensor  # (B, Hkv) float in [0, 1]
+    logits: torch.Tensor | None = None
+
+
+class Router(nn.Module, ABC):
+    """Decides, per input and per (routed layer, KV head), retrieval mode vs sparse mode.
+
+    One router instance serves every routed layer of a model (``layer`` below is the position
+    in ``heads.routed_layers``). Learned routers hold their parameters as ordinary
+    ``nn.Module`` parameters: they are the only parameters an elastic model trains and saves.
+    ``decide`` gets the layer's start-aligned key states (B, Hkv, Sk, D) — exactly what the
+    attention kernel sees — and the batch's :class:`SeqInfo`.
+    """
+
+    name: ClassVar[str]
+    config_class: ClassVar[type[RouterConfig]]
+    #: whether :meth:`calibrate` must run before the router is usable
+    needs_calibration: ClassVar[bool] = False
+
+    def __init__(self, config: RouterConfig, heads: HeadLayout) -> None:
+        super().__init__()
+        self.config = config
+        self.heads = heads
+        self.progress = 0.0  # training progress in [0, 1], drives temperature schedules
+
+    @abstractmethod
+    def decide(self, layer: int, keys: torch.Tensor, seq: SeqInfo) -> RouterDecision:
+        """Decision for routed layer ``layer``; ``self.training`` selects stochastic/hard."""
+
+    def set_progress(self, progress: float) -> None:
+        self.progress = float(min(max(progress, 0.0), 1.0))
+
+    @property
+    def is_calibrated(self) -> bool:
+        return True
+
+    def extra_state(self) -> dict:
+        """JSON-serialisable state saved beside the weights (e.g. calibrated head lists)."""
+        return {}
+
+    def load_extra_state(self, state: dict) -> None:
+        """Restore what :meth:`extra_state` returned."""

@@ -1,0 +1,259 @@
+"""Conformance suite for attention-mode plugins — run it on your own plugin.
+
+A plugin package tests its mode by subclassing :class:`ModeConformance` in a pytest module::
+
+    from elasticfw.testing.modes import ModeConformance
+
+    class TestMyMode(ModeConformance):
+        mode_name = "my_mode"                       # registered name
+        small_config = {"block_size": 16, ...}      # sized for sequences of ~100-300 tokens
+        dense_config = {"block_size": 16, "keep": "everything"}  # settings that keep every pair
+
+        @staticmethod
+        def token_reference(q, k, seq, config):     # independent token-level definition
+            ...                                     # -> (B, Hq, Sq, Sk) bool, causality included
+
+elasticfw runs the same class over every registered mode. Every check compares against an
+independent definition: plain causal SDPA (dense limit), the token-level reference the test
+author writes (never the plugin's own layout code), direct counting of a dense mask (density),
+and the reference executor (other executors, outputs and q/k/v gradients).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from elasticfw.attention.layout import BlockLayout, computed_pairs, dense_mask, esr
+from elasticfw.attention.mode import AttentionMode
+from elasticfw.attention.seq import SeqInfo
+from elasticfw.registry import get_registry
+
+#: (batch, query heads, kv heads, q_len, kv_len, head_dim): GQA groups 1, 3, 4; lengths that
+#: are not block multiples; q_len < kv_len (chunked prefill and decode against a cache).
+SHAPES: list[tuple[int, int, int, int, int, int]] = [
+    (2, 3, 3, 160, 160, 16),
+    (2, 6, 2, 203, 203, 16),
+    (1, 8, 2, 97, 250, 16),
+    (2, 3, 1, 1, 181, 16),
+]
+#: relative-RMS tolerance of a non-reference executor against the reference, per dtype
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    """sqrt(mean((a-b)^2)) / sqrt(mean(b^2)) in float64 (fla's comparison)."""
+    a64, b64 = a.double(), b.double()
+    denom = b64.pow(2).mean().sqrt().clamp_min(1e-12)
+    return float((a64 - b64).pow(2).mean().sqrt() / denom)
+
+
+def make_inputs(
+    shape: tuple[int, int, int, int, int, int],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    seed: int = 0,
+    kv_lens: list[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, SeqInfo]:
+    """Random q/k/v with structure (a few strong keys) so data-dependent modes make real choices."""
+    batch, hq, hkv, sq, sk, dim = shape
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, hq, sq, dim, generator=g)
+    k = torch.randn(batch, hkv, sk, dim, generator=g)
+    v = torch.randn(batch, hkv, sk, dim, generator=g)
+    # plant "needles": a few keys aligned with a shared direction, queries leaning to it
+    direction = torch.randn(dim, generator=g)
+    idx = torch.randint(0, sk, (max(1, sk // 40),), generator=g)
+    k[:, :, idx] += 2.0 * direction
+    q += 0.5 * direction
+    lens = torch.tensor(kv_lens if kv_lens is not None else [sk] * batch)
+    seq = SeqInfo.from_lengths(lens, sq, sk)
+    cast = dict(dtype=dtype, device=device)
+    return q.to(**cast), k.to(**cast), v.to(**cast), SeqInfo(
+        seq.q_start.to(device), seq.kv_len.to(device), sq, sk
+    )
+
+
+def make_mode(name: str, overrides: dict[str, Any]) -> AttentionMode:
+    entry = get_registry().entry("sparse_mode", name)
+    config = entry.config_class.model_validate({"name": name, **overrides})  # type: ignore[union-attr]
+    return entry.cls(config)
+
+
+def reference_executor() -> Any:
+    return get_registry().get("executor", "reference")()
+
+
+def layout_mask(mode: AttentionMode, q, k, seq) -> tuple[BlockLayout, torch.Tensor]:
+    with torch.no_grad():
+        layout = mode.build_layout(q, k, seq)
+    return layout, dense_mask(layout, seq, num_heads=q.shape[1])
+
+
+def real_rows(seq: SeqInfo) -> torch.Tensor:
+    """(B, 1, Sq, 1) bool: rows that are real tokens."""
+    return seq.query_valid()[:, None, :, None]
+
+
+class ModeConformance:
+    """Behaviour every attention mode must have. Subclass it; see the module docstring."""
+
+    mode_name: ClassVar[str]
+    small_config: ClassVar[dict[str, Any]] = {}
+    dense_config: ClassVar[dict[str, Any] | None] = None
+    #: output of row t depends on no token after t (token-exact modes); otherwise on no
+    #: token after the end of t's block (block-level estimators such as XAttention)
+    token_causal: ClassVar[bool] = False
+    token_reference: ClassVar[Callable[..., torch.Tensor] | None] = None
+    shapes: ClassVar[list[tuple[int, int, int, int, int, int]]] = SHAPES
+
+    def mode(self, **extra: Any) -> AttentionMode:
+        return make_mode(self.mode_name, {**self.small_config, **extra})
+
+    # -- layout against the independent token-level definition ----------------------------
+    @pytest.mark.parametrize("shape", SHAPES)
+    def test_layout_matches_token_definition(self, shape):
+        if type(self).token_reference is None:
+            pytest.fail(f"mode {self.mode_name!r} has no independent token-level definition (token_reference)")
+        mode = self.mode()
+        q, k, v, seq = make_inputs(shape)
+        _, mask = layout_mask(mode, q, k, seq)
+        expected = type(self).token_reference(q, k, seq, mode.config)
+        rows = real_rows(seq).expand_as(mask)
+        assert expected.shape == mask.shape, (expected.shape, mask.shape)
+        diff = (mask != expected) & rows
+        assert not diff.any(), f"{int(diff.sum())} (row, key) pairs differ from the token definition"
+
+    @pytest.mark.parametrize("shape", SHAPES[:3])
+    def test_reference_output_matches_token_definition(self, shape):
+        if type(self).token_reference is None:
+            pytest.skip("no token definition (reported by test_layout_matches_token_definition)")
+        mode = self.mode()
+        q, k, v, seq = make_inputs(shape)
+        out = mode.attend(q, k, v, seq, reference_executor(), scale=q.shape[-1] ** -0.5).out
+        mask = type(self).token_reference(q, k, seq, mode.config)
+        group = q.shape[1] // k.shape[1]
+        expected = _masked_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), mask)
+        extra = mode.side_branch(q, k, v, seq, scale=q.shape[-1] ** -0.5)
+        if extra is not None:
+            pytest.skip("mode has a side branch; covered by its own tests")
+        rows = real_rows(seq).expand_as(out)
+        assert torch.allclose(out[rows], expected[rows], atol=1e-5, rtol=1e-5)
+
+    # -- causality ----------------------------------------------------------------------------
+    @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[2]])
+    def test_causality(self, shape):
+        mode = self.mode()
+        q, k, v, seq = make_inputs(shape)
+        bs = mode.block_size
+        sq, sk = q.shape[2], k.shape[2]
+        offset = sk - sq  # position of row 0 (no padding in these shapes)
+        cut_pos = offset + sq // 2
+        if not self.token_causal:
+            cut_pos = (cut_pos // bs + 1) * bs  # first position of the next block
+        if cut_pos >= sk:
+            pytest.skip("shape too short for this block size")
+        g = torch.Generator().manual_seed(7)
+        q2, k2, v2 = q.clone(), k.clone(), v.clone()
+        q2[:, :, cut_pos - offset :] = torch.randn(q2[:, :, cut_pos - offset :].shape, generator=g)
+        k2[:, :, cut_pos:] = torch.randn(k2[:, :, cut_pos:].shape, generator=g) * 3
+        v2[:, :, cut_pos:] = torch.randn(v2[:, :, cut_pos:].shape, generator=g)
+        ex = reference_executor()
+        scale = q.shape[-1] ** -0.5
+        a = mode.attend(q, k, v, seq, ex, scale=scale).out[:, :, : cut_pos - offset]
+        b = mode.attend(q2, k2, v2, seq, ex, scale=scale).out[:, :, : cut_pos - offset]
+        assert torch.allclose(a, b, atol=1e-6), "outputs before the cut changed when only later tokens changed"
+
+    # -- padding --------------------------------------------------------------------------------
+    def test_padding_invariance(self):
+        """A short sample padded into a batch gives the same real-row outputs as alone."""
+        mode = self.mode()
+        q, k, v, seq = make_inputs((2, 6, 2, 203, 203, 16), kv_lens=[203, 150])
+        short = SeqInfo.dense(1, 150, 150)
+        ex = reference_executor()
+        scale = 16**-0.5
+        batched = mode.attend(q, k, v, seq, ex, scale=scale).out[1:, :, :150]
+        alone = mode.attend(q[1:, :, :150], k[1:, :, :150], v[1:, :, :150], short, ex, scale=scale).out
+        assert torch.allclose(batched, alone, atol=1e-6)
+        # garbage in the padding never changes real rows
+        k2, v2 = k.clone(), v.clone()
+        k2[1, :, 150:] = 1e3
+        v2[1, :, 150:] = -1e4
+        again = mode.attend(q, k2, v2, seq, ex, scale=scale).out[1:, :, :150]
+        assert torch.allclose(again, alone, atol=1e-6)
+
+    # -- dense limit -----------------------------------------------------------------------
+    @pytest.mark.parametrize("shape", SHAPES[1:3])
+    def test_dense_limit_equals_causal_sdpa(self, shape):
+        if self.dense_config is None:
+            pytest.fail(f"mode {self.mode_name!r}: dense_config (settings that keep every pair) is not given")
+        mode = make_mode(self.mode_name, dict(self.dense_config))
+        q, k, v, seq = make_inputs(shape)
+        out = mode.attend(q, k, v, seq, reference_executor(), scale=q.shape[-1] ** -0.5).out
+        group = q.shape[1] // k.shape[1]
+        sq, sk = q.shape[2], k.shape[2]
+        mask = torch.ones(sq, sk, dtype=torch.bool).tril(diagonal=sk - sq)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask
+        )
+        assert torch.allclose(out, expected, atol=2e-5, rtol=1e-5)
+
+    # -- reported sparsity -----------------------------------------------------------------
+    @pytest.mark.parametrize("shape", SHAPES)
+    def test_density_matches_reported_esr(self, shape):
+        mode = self.mode()
+        q, k, v, seq = make_inputs(shape, kv_lens=None)
+        layout, mask = layout_mask(mode, q, k, seq)
+        hq = q.shape[1]
+        counted = (mask & real_rows(seq)).sum((-1, -2))
+        assert torch.equal(computed_pairs(layout, seq, hq), counted)
+        if type(self).token_reference is not None:
+            ref = type(self).token_reference(q, k, seq, mode.config) & real_rows(seq)
+            true_esr = 1 - ref.sum((-1, -2)).double() / seq.causal_pairs()[:, None].double()
+            assert torch.allclose(esr(layout, seq, hq).double(), true_esr, atol=1e-6)
+
+    # -- executors --------------------------------------------------------------------------
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+    def test_executors_match_reference(self, dtype):
+        registry = get_registry()
+        others = [n for n in registry.names("executor") if n != "reference" and registry.get("executor", n).is_available()]
+        if not others:
+            pytest.skip("no other executor available")
+        mode = self.mode()
+        for name in others:
+            executor = registry.get("executor", name)()
+            for shape in (SHAPES[1], SHAPES[2]):
+                q, k, v, seq = make_inputs(shape, dtype=dtype, kv_lens=None)
+                _check_executor(mode, executor, reference_executor(), q, k, v, seq, dtype)
+
+
+def _check_executor(mode, executor, reference, q, k, v, seq, dtype) -> None:
+    scale = q.shape[-1] ** -0.5
+    with torch.no_grad():
+        layout = mode.build_layout(q, k, seq)
+    outs, grads = [], []
+    g = torch.Generator().manual_seed(3)
+    dout = torch.randn(q.shape, generator=g).to(dtype)
+    for ex, (qq, kk, vv) in ((executor, (q, k, v)), (reference, (q.float(), k.float(), v.float()))):
+        qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (qq, kk, vv))
+        out = mode.attend(qq, kk, vv, seq, ex, scale=scale, layout=layout).out
+        out.backward(dout.to(out.dtype))
+        outs.append(out.float())
+        grads.append([t.grad.float() for t in (qq, kk, vv)])
+    tol = TOLERANCE[dtype]
+    assert rel_rms(outs[0], outs[1]) < tol, f"{executor.name} output: rel RMS {rel_rms(outs[0], outs[1]):.2e} >= {tol}"
+    for name, a, b in zip("qkv", grads[0], grads[1]):
+        err = rel_rms(a, b)
+        assert err < 3 * tol, f"{executor.name} d{name}: rel RMS {err:.2e} >= {3 * tol}"
+
+
+def _masked_attention(q, k, v, mask) -> torch.Tensor:
+    scores = torch.matmul(q.double(), k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~mask, -math.inf)
+    probs = torch.softmax(scores, -1).nan_to_num(0.0)
+    return torch.matmul(probs, v.double()).to(q.dtype)

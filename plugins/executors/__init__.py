@@ -1,0 +1,9 @@
+"""Built-in attention executors."""
+
+from elasticfw.hookspecs import hookimpl
+from elasticfw_plugins.executors.reference import ReferenceExecutor
+
+
+@hookimpl
+def elasticfw_register_executors(register):
+    register(ReferenceExecutor)

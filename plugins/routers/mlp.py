@@ -1,0 +1,92 @@
+"""The Elastic Attention router (arXiv 2601.17367, §3.1, App. D.1 and F).
+
+Per routed layer, head-agnostic weights applied to every KV head:
+
+1. boundary pooling: mean of the key states of the first ``pool_tokens`` and the last
+   ``pool_tokens`` real tokens of each sequence (their union when the sequence is shorter
+   than 2 x pool_tokens; padding never enters), giving x'_K in R^{H x d'};
+2. task MLP d' -> 4d' -> d' (SiLU), router MLP d' -> 4d' -> d' -> 2 (SiLU) -> logits z;
+3. training: Gumbel-softmax at temperature tau(progress), hard decision with a
+   straight-through gradient; inference: no noise, arg max.
+
+About 0.27M parameters per layer at d' = 128, as in the paper.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from elasticfw.attention.seq import SeqInfo
+from elasticfw.routing.base import HeadLayout, Router, RouterConfig, RouterDecision
+from elasticfw.routing.gumbel import TemperatureSchedule, gumbel_softmax_sparse_prob, straight_through
+
+
+class MLPRouterConfig(RouterConfig):
+    name: Literal["mlp"] = "mlp"
+    pool_tokens: int = Field(100, ge=1, description="Boundary pooling: first and last N tokens (paper: 100).")
+    hidden_mult: int = Field(4, ge=1, description="Hidden width of both MLPs, in multiples of head_dim (paper: 4).")
+    init_sparse_prob: float = Field(0.5, gt=0.0, lt=1.0, description="Initial probability of the sparse mode.")
+    tau_init: float = Field(1.0, gt=0, description="Initial Gumbel temperature (authors' code: clamp to [0.3, 1]).")
+    tau_min: float = Field(0.3, gt=0, description="Temperature floor.")
+    tau_rate: float = Field(0.6, ge=0, description="Decay rate r of tau(p) = max(tau_min, tau_init exp(-r p)) (paper: 0.6).")
+    tau_units: float = Field(10.0, gt=0, description="p at the end of training (p = progress * tau_units).")
+
+
+def boundary_pool(keys: torch.Tensor, seq: SeqInfo, pool_tokens: int) -> torch.Tensor:
+    """(B, H, Sk, D) start-aligned keys -> (B, H, D) mean over the first and last N real tokens."""
+    pos = torch.arange(keys.shape[2], device=keys.device)[None, :]
+    n = seq.kv_len.to(keys.device)[:, None]
+    take = ((pos < pool_tokens) | (pos >= n - pool_tokens)) & (pos < n)  # (B, Sk)
+    weights = take.to(torch.float32)
+    weights = weights / weights.sum(-1, keepdim=True).clamp_min(1.0)
+    return torch.einsum("bhsd,bs->bhd", keys.float(), weights)
+
+
+class _LayerRouter(nn.Module):
+    def __init__(self, dim: int, mult: int) -> None:
+        super().__init__()
+        hidden = mult * dim
+        self.task_mlp = nn.Sequential(nn.Linear(dim, hidden), nn.SiLU(), nn.Linear(hidden, dim))
+        self.router_mlp = nn.Sequential(
+            nn.Linear(dim, hidden), nn.SiLU(), nn.Linear(hidden, dim), nn.SiLU(), nn.Linear(dim, 2)
+        )
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.router_mlp(self.task_mlp(pooled))
+
+
+class MLPRouter(Router):
+    """Input-dependent router: boundary pooling + task MLP + router MLP + Gumbel/STE."""
+
+    name = "mlp"
+    config_class = MLPRouterConfig
+    config: MLPRouterConfig
+
+    def __init__(self, config: MLPRouterConfig, heads: HeadLayout) -> None:
+        super().__init__(config, heads)
+        self.layers = nn.ModuleList(_LayerRouter(heads.head_dim, config.hidden_mult) for _ in heads.routed_layers)
+        p = config.init_sparse_prob
+        with torch.no_grad():
+            for layer in self.layers:
+                last = layer.router_mlp[-1]
+                nn.init.normal_(last.weight, std=0.02)
+                last.bias.copy_(torch.tensor([0.0, float(torch.log(torch.tensor(p / (1 - p))))]))
+        self.schedule = TemperatureSchedule(config.tau_init, config.tau_min, config.tau_rate, config.tau_units)
+
+    def temperature(self) -> float:
+        return self.schedule(self.progress)
+
+    def decide(self, layer: int, keys: torch.Tensor, seq: SeqInfo) -> RouterDecision:
+        module = self.layers[layer]
+        dtype = next(module.parameters()).dtype
+        pooled = boundary_pool(keys, seq, self.config.pool_tokens).to(dtype)
+        logits = module(pooled)  # (B, H, 2)
+        if self.training:
+            prob = gumbel_softmax_sparse_prob(logits, self.temperature(), noise=True)
+            return RouterDecision(straight_through(prob), prob, logits)
+        prob = torch.softmax(logits.float(), dim=-1)[..., 1]
+        return RouterDecision((prob > 0.5).to(prob.dtype), prob, logits)
