@@ -24,6 +24,7 @@ from elasticfw import hookspecs
 from elasticfw.errors import (
     DuplicatePluginError,
     InvalidPluginError,
+    PluginError,
     PluginLoadError,
     UnknownPluginError,
     suggest,
@@ -132,6 +133,8 @@ class Registry:
     _entries: dict[str, dict[str, PluginEntry]] = field(
         default_factory=lambda: {kind: {} for kind in KINDS}
     )
+    #: bumped by every registration; the recipe schema built from this registry is cached per revision
+    revision: int = 0
 
     # -- registration -------------------------------------------------------------------
     def register(self, kind: str, cls: type, *, origin: str = "<runtime>", entry_point: str = "") -> None:
@@ -161,6 +164,7 @@ class Registry:
                 "plugin names must be unique per kind — rename one of them"
             )
         self._entries[kind][name] = PluginEntry(kind, name, cls, origin, entry_point)
+        self.revision += 1
 
     # -- lookup -------------------------------------------------------------------------
     def get(self, kind: str, name: str) -> type:
@@ -192,7 +196,7 @@ class Registry:
             raise UnknownPluginError(f"no {kind} plugin is registered; cannot build its recipe section")
         if len(classes) == 1:
             return classes[0]
-        return Annotated[Union[tuple(classes)], Field(discriminator="name")]  # noqa: UP007
+        return Annotated[Union[tuple(classes)], Field(discriminator="name")]
 
     def make(self, kind: str, config: PluginConfig, **kwargs: Any) -> Any:
         """Instantiate the plugin ``config.name`` of ``kind`` with its validated config."""
@@ -259,29 +263,31 @@ def load_registry(
     """Load every plugin and return a fresh :class:`Registry`.
 
     ``extra_plugins`` are ``(origin, plugin_object)`` pairs registered after the entry points
-    (tests and notebooks use this; packages should declare an entry point).
+    (tests and notebooks use this; packages should declare an entry point). Registration hooks
+    run in load order (entry points, then extras), so a duplicate name is reported against
+    the plugin that registered it first.
     """
     pm = _plugin_manager()
     origins: dict[str, tuple[str, str]] = {}
     if entry_points:
         for ep in _iter_entry_points():
             dist = ep.dist.name if ep.dist is not None else "<unknown distribution>"
+            where = f"elasticfw plugin entry point {ep.name!r} = {ep.value!r} from distribution {dist!r}"
             try:
                 module = ep.load()
-            except Exception as exc:  # noqa: BLE001 - re-raised with the plugin named
+            except Exception as exc:  # re-raised with the plugin named
                 raise PluginLoadError(
-                    f"elasticfw plugin entry point {ep.name!r} = {ep.value!r} from distribution "
-                    f"{dist!r} failed to import: {type(exc).__name__}: {exc}. Fix or uninstall "
+                    f"{where} failed to import: {type(exc).__name__}: {exc}. Fix or uninstall "
                     f"{dist!r}; elasticfw does not skip broken plugins"
                 ) from exc
             plugin_name = f"{dist}:{ep.name}"
             if pm.is_registered(module):
                 continue
-            pm.register(module, name=plugin_name)
+            _register_plugin(pm, module, plugin_name, where)
             origins[plugin_name] = (dist, ep.name)
     for i, (origin, obj) in enumerate(extra_plugins):
         plugin_name = f"{origin}:extra{i}"
-        pm.register(obj, name=plugin_name)
+        _register_plugin(pm, obj, plugin_name, f"elasticfw plugin {obj!r} from {origin!r}")
         origins[plugin_name] = (origin, "")
 
     registry = Registry()
@@ -289,14 +295,37 @@ def load_registry(
         caller = getattr(pm.hook, spec.hook)
         # Call each implementation with a register bound to its plugin, so every entry
         # records the distribution it came from.
-        for impl in reversed(caller.get_hookimpls()):
+        for impl in caller.get_hookimpls():
             origin, ep_name = origins.get(impl.plugin_name, (impl.plugin_name, ""))
 
             def register(cls: type, _kind: str = spec.kind, _o: str = origin, _e: str = ep_name) -> None:
                 registry.register(_kind, cls, origin=_o, entry_point=_e)
 
-            impl.function(register=register)
+            try:
+                impl.function(register=register)
+            except PluginError:
+                raise
+            except Exception as exc:  # re-raised with the plugin named
+                raise PluginLoadError(
+                    f"{spec.hook} of elasticfw plugin {impl.plugin_name!r} (distribution {origin!r}) "
+                    f"failed: {type(exc).__name__}: {exc}"
+                ) from exc
     return registry
+
+
+def _register_plugin(pm: pluggy.PluginManager, plugin: object, plugin_name: str, where: str) -> None:
+    """Register with pluggy; a misspelled hook or a wrong hook signature is an InvalidPluginError."""
+    try:
+        pm.register(plugin, name=plugin_name)
+    except pluggy.PluginValidationError as exc:
+        raise InvalidPluginError(f"{where}: {' '.join(str(exc).split())}") from None
+    hooks = {spec.hook for spec in KINDS.values()}
+    for hook_name in dir(plugin):
+        if hook_name not in hooks and pm.parse_hookimpl_opts(plugin, hook_name) is not None:
+            raise InvalidPluginError(
+                f"{where} implements unknown hook {hook_name!r}; {suggest(hook_name, hooks)}"
+                f"elasticfw hooks: {', '.join(sorted(hooks))}"
+            )
 
 
 _lock = threading.Lock()

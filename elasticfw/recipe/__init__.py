@@ -6,36 +6,45 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from elasticfw.errors import RecipeError, suggest
-from elasticfw.recipe.loader import load_recipe_dict
-from elasticfw.recipe.schema import PLUGIN_FIELDS, recipe_model
+from elasticfw.recipe.loader import load_recipe_dict, merge_sections
+from elasticfw.recipe.schema import PLUGIN_FIELDS, merge_variants, recipe_defaults, recipe_model
 from elasticfw.registry import Registry, get_registry, unknown_name_message
 
-__all__ = ["load_recipe", "validate_recipe_data", "recipe_model", "format_validation_error"]
+__all__ = ["load_recipe", "validate_recipe_data", "recipe_model", "recipe_defaults", "format_validation_error"]
 
 _MISSING = object()
+_VARIANT_PREFIX = re.compile(r"^compare\.\d+\.(?=elastic\.)")
 
 
 def load_recipe(
     path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, registry: Registry | None = None
 ) -> Any:
     """Load, merge, override, resolve and validate a recipe file."""
-    data = load_recipe_dict(path, overrides)
+    registry = registry or get_registry()
+    data = load_recipe_dict(path, overrides, defaults=recipe_defaults(registry))
     return validate_recipe_data(data, source=str(path), registry=registry)
 
 
 def validate_recipe_data(data: dict[str, Any], *, source: str = "<data>", registry: Registry | None = None) -> Any:
+    """Validate resolved recipe data; sections it leaves out (or plugin sections that leave out
+    ``name:``) take the schema's defaults, so a compare variant may tune a default plugin."""
     registry = registry or get_registry()
     model = recipe_model(registry)
+    if isinstance(data, dict):
+        data = merge_sections(recipe_defaults(registry), data)
     try:
         return model.model_validate(data, context={"registry": registry})
     except ValidationError as exc:
-        raise RecipeError(format_validation_error(exc, data, source, model, registry)) from None
+        # Locations inside compare variants refer to the variants merged onto `elastic`.
+        shown = merge_variants(data)
+        raise RecipeError(format_validation_error(exc, shown, source, model, registry)) from None
 
 
 def _walk(data: Any, loc: tuple[Any, ...]) -> tuple[list[str], Any, list[Any]]:
@@ -127,16 +136,26 @@ def format_validation_error(
                 )
             else:
                 lines.append(f"{path}.name = {tag!r}: " + unknown_name_message(plugin_kind, tag, registry.names(plugin_kind)))
+        elif kind == "literal_error" and len(parts) >= 2 and parts[-1] == "name" and parts[-2] in PLUGIN_FIELDS:
+            # a kind with a single registered plugin has no union, so no union_tag_invalid
+            plugin_kind = PLUGIN_FIELDS[parts[-2]]
+            lines.append(f"{path} = {value!r}: " + unknown_name_message(plugin_kind, str(value), registry.names(plugin_kind)))
         elif kind == "missing":
             lines.append(f"{path}: required field is missing")
-        elif kind in ("model_type", "dict_type") and not isinstance(value, dict):
-            lines.append(f"{path} = {value!r}: expected a section (a mapping of keys to values)")
+        elif kind in ("model_type", "dict_type", "model_attributes_type") and not isinstance(value, dict):
+            hint = ""
+            if parts and parts[-1] in PLUGIN_FIELDS and isinstance(value, str):
+                hint = f"; a plugin section names its plugin, e.g. {parts[-1]}: {{name: {value}}}"
+            lines.append(f"{path} = {value!r}: expected a section (a mapping of keys to values){hint}")
         else:
             msg = err["msg"]
             if msg.startswith("Value error, "):
                 msg = msg[len("Value error, ") :]
             shown = "" if value is _MISSING or isinstance(value, (dict, list)) else f" = {value!r}"
             lines.append(f"{path}{shown}: {msg}")
+    # a problem of the recipe's `elastic` section reappears in every compare variant merged onto it
+    reported = set(lines)
+    lines = [line for line in lines if _VARIANT_PREFIX.sub("", line) not in reported - {line}]
     count = len(lines)
     head = f"invalid recipe {source!r} ({count} problem{'s' if count != 1 else ''}):"
     return head + "".join(f"\n  - {line}" for line in lines)

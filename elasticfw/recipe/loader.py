@@ -7,8 +7,14 @@ A recipe file may name one or more base files (paths relative to the file)::
     elastic:
       sparse_mode: {name: streaming, sink_tokens: 64}
 
-A section that holds a ``name:`` (a plugin section) is *replaced*, not merged, when the
-overriding file names a different plugin: parameters of one plugin never leak into another's.
+A plugin section (``elastic.sparse_mode``, ``elastic.router``, ``eval.task`` ...) is *replaced*,
+not merged, when the overriding file names a different plugin: parameters of one plugin never
+leak into another's. (``model:`` also has a ``name:`` but is an ordinary section: it merges.)
+The same holds for an override ``elastic.sparse_mode.name=full`` (parameter overrides of the
+new plugin go after it).
+
+YAML is read as data only: no tags (``!!python/...`` is refused, never constructed), and a key
+given twice in one mapping is an error rather than a silent last-one-wins.
 """
 
 from __future__ import annotations
@@ -22,23 +28,57 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from elasticfw.errors import RecipeError
+from elasticfw.recipe.schema import PLUGIN_FIELDS
 
 BASE_KEY = "base"
 _OVERRIDE = re.compile(r"^(?P<key>[A-Za-z_][A-Za-z0-9_\-]*(\.[A-Za-z0-9_\-]+)*)=(?P<value>.*)$", re.S)
+_SCALAR_KEYS = (str, int, float, bool, type(None))
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses duplicate keys."""
+
+
+def _construct_mapping(loader: _RecipeLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    first_line: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=deep)
+        if isinstance(key, _SCALAR_KEYS) and key in first_line:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} is given twice (first at line {first_line[key]})", key_node.start_mark
+            )
+        if isinstance(key, _SCALAR_KEYS):
+            first_line[key] = key_node.start_mark.line + 1
+    return loader.construct_mapping(node, deep=deep)
+
+
+_RecipeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def parse_yaml(text: str, what: str) -> Any:
+    """Parse YAML as plain data (``what`` names the text in errors)."""
+    try:
+        return yaml.load(text, Loader=_RecipeLoader)  # a SafeLoader subclass: data only
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        tag = re.match(r"could not determine a constructor for the tag '?([^']*)'?", problem)
+        if tag is not None:
+            problem = (
+                f"the tag {tag.group(1)!r} is not allowed: recipes are plain data (mappings, lists, "
+                "strings, numbers, booleans, null), never code"
+            )
+        raise RecipeError(f"{what} is not valid YAML{where}: {problem}") from None
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
     """Parse one YAML file safely (no tags, no code) into a dict."""
     if not path.is_file():
         raise RecipeError(f"recipe file {str(path)!r} does not exist (looked at {str(path.resolve())!r})")
-    text = path.read_text(encoding="utf-8")
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise RecipeError(f"recipe {str(path)!r} is not valid YAML{where}: {problem}") from None
+    data = parse_yaml(path.read_text(encoding="utf-8"), f"recipe {str(path)!r}")
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -49,14 +89,15 @@ def read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def merge_sections(base: Any, override: Any) -> Any:
-    """Deep merge where a plugin section naming a different plugin replaces the base section."""
+def merge_sections(base: Any, override: Any, key: str | None = None) -> Any:
+    """Deep merge where a plugin section (``key`` in :data:`PLUGIN_FIELDS`) naming a different
+    plugin replaces the base section. Other sections with a ``name`` (``model:``) merge."""
     if isinstance(base, dict) and isinstance(override, dict):
-        if "name" in override and "name" in base and override["name"] != base["name"]:
+        if key in PLUGIN_FIELDS and "name" in override and "name" in base and override["name"] != base["name"]:
             return dict(override)
         merged = dict(base)
-        for key, value in override.items():
-            merged[key] = merge_sections(base[key], value) if key in base else value
+        for k, value in override.items():
+            merged[k] = merge_sections(base[k], value, k) if k in base else value
         return merged
     return override
 
@@ -96,10 +137,7 @@ def parse_override(text: str) -> tuple[str, Any]:
             "elastic.sparse_mode.sink_tokens=64 or compare.0.label=dense)"
         )
     raw = match.group("value")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        raise RecipeError(f"override {text!r}: value {raw!r} is not a valid YAML scalar, list or mapping") from None
+    value = parse_yaml(raw, f"the value of override {text!r}") if raw.strip() else ""
     return match.group("key"), value
 
 
@@ -127,20 +165,35 @@ def apply_override(cfg: DictConfig, key: str, value: Any) -> None:
     if not isinstance(node, DictConfig):
         raise RecipeError(f"override {key}=...: the parent of {last!r} holds a value, not a section")
     current = node.get(last) if last in node else None
+    if last == "name" and len(parts) > 1 and parts[-2] in PLUGIN_FIELDS and current is not None and current != value:
+        # naming a different plugin replaces its section, as in a file that overrides a base
+        for other in list(node.keys()):
+            del node[other]
     if isinstance(current, DictConfig) and isinstance(value, dict):
-        merged = merge_sections(OmegaConf.to_container(current, resolve=False), value)
+        merged = merge_sections(OmegaConf.to_container(current, resolve=False), value, last)
         node[last] = merged
     else:
         node[last] = value
 
 
-def load_recipe_dict(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), *, data: dict | None = None) -> dict[str, Any]:
-    """Resolve a recipe file (or an in-memory ``data`` dict) with its overrides into plain data."""
+def load_recipe_dict(
+    path: str | Path | None,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    data: dict | None = None,
+    defaults: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Resolve a recipe file (or an in-memory ``data`` dict) with its overrides into plain data.
+
+    ``defaults`` (the schema's default recipe) lie underneath the file, as if they were its first
+    base: overrides and ``${...}`` interpolations see them (``${model.name}`` works in a recipe
+    that does not name its model).
+    """
     if (path is None) == (data is None):
         raise RecipeError("give exactly one of a recipe path or recipe data")
     try:
         raw = _load_with_bases(Path(path), ()) if path is not None else dict(data or {})
-        cfg = OmegaConf.create(raw)
+        cfg = OmegaConf.create(merge_sections(defaults, raw) if defaults else raw)
         for text in overrides:
             key, value = parse_override(text)
             apply_override(cfg, key, value)

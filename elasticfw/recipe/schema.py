@@ -13,7 +13,16 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from elasticfw.errors import suggest
 from elasticfw.registry import Registry, get_registry
@@ -110,7 +119,7 @@ def _check_block_sizes(section: BaseModel) -> BaseModel:
 
 
 @functools.lru_cache(maxsize=8)
-def _build_models(registry_id: int) -> type[BaseModel]:
+def _build_models(registry_id: int, revision: int) -> type[BaseModel]:  # revision: cache key only
     registry = _REGISTRIES[registry_id]
     elastic = create_model(
         "ElasticSection",
@@ -149,12 +158,12 @@ def _build_models(registry_id: int) -> type[BaseModel]:
             Field(None, description="Variants run on the same samples (`elasticfw compare`)."),
         ),
         output_dir=(str | None, Field(None, description="Where results are written (JSON).")),
-        __validators__={"_variants": model_validator(mode="before")(_merge_variants)},
+        __validators__={"_variants": model_validator(mode="before")(merge_variants)},
     )
     return recipe
 
 
-def _merge_variants(data: Any) -> Any:
+def merge_variants(data: Any) -> Any:
     """Each ``compare[i].elastic`` is merged onto the recipe's ``elastic`` before validation."""
     from elasticfw.recipe.loader import merge_sections
 
@@ -172,8 +181,18 @@ def _merge_variants(data: Any) -> Any:
 _REGISTRIES: dict[int, Registry] = {}
 
 
+def recipe_defaults(registry: Registry | None = None) -> dict[str, Any]:
+    """The recipe every field of which is its default, as plain data (empty if some section has
+    no default because its default plugin is not installed)."""
+    registry = registry or get_registry()
+    try:
+        return recipe_model(registry).model_validate({}, context={"registry": registry}).model_dump(mode="json")
+    except ValidationError:
+        return {}
+
+
 def recipe_model(registry: Registry | None = None) -> type[BaseModel]:
     """The pydantic ``Recipe`` class for a registry (the process-wide one by default)."""
     registry = registry or get_registry()
     _REGISTRIES[id(registry)] = registry
-    return _build_models(id(registry))
+    return _build_models(id(registry), registry.revision)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -54,9 +54,6 @@ class Router(nn.Module, ABC):
 
     name: ClassVar[str]
     config_class: ClassVar[type[RouterConfig]]
-    #: whether :meth:`calibrate` must run before the router is usable
-    needs_calibration: ClassVar[bool] = False
-
     def __init__(self, config: RouterConfig, heads: HeadLayout) -> None:
         super().__init__()
         self.config = config
@@ -67,12 +64,13 @@ class Router(nn.Module, ABC):
     def decide(self, layer: int, keys: torch.Tensor, seq: SeqInfo) -> RouterDecision:
         """Decision for routed layer ``layer``; ``self.training`` selects stochastic/hard."""
 
+    def prepare(self, elastic: Any, tokenizer: Any, *, seed: int = 0) -> None:
+        """Called once after the router is attached to a model (default: nothing).
+
+        Training-free routers calibrate here (e.g. ranking heads on probe inputs)."""
+
     def set_progress(self, progress: float) -> None:
         self.progress = float(min(max(progress, 0.0), 1.0))
-
-    @property
-    def is_calibrated(self) -> bool:
-        return True
 
     def extra_state(self) -> dict:
         """JSON-serialisable state saved beside the weights (e.g. calibrated head lists)."""

@@ -31,10 +31,23 @@ def gumbel_softmax_sparse_prob(
     return torch.softmax(z, dim=-1)[..., 1]
 
 
+class _StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, prob: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return (prob > 0.5).to(prob.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad
+
+
 def straight_through(prob: torch.Tensor) -> torch.Tensor:
-    """Hard 0/1 decision in the forward pass, gradient of ``prob`` in the backward pass."""
-    hard = (prob > 0.5).to(prob.dtype)
-    return hard + prob - prob.detach()
+    """Hard 0/1 decision in the forward pass, gradient of ``prob`` in the backward pass.
+
+    The paper's ``hard + soft - soft.detach()``, computed exactly: the forward value is exactly
+    0 or 1 (the arithmetic form can leave 0.99999994), the gradient is the identity.
+    """
+    return _StraightThrough.apply(prob)
 
 
 @dataclass(frozen=True)

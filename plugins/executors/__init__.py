@@ -1,9 +1,11 @@
 """Built-in attention executors."""
 
 from elasticfw.hookspecs import hookimpl
+from elasticfw_plugins.executors.flex import FlexExecutor
 from elasticfw_plugins.executors.reference import ReferenceExecutor
 
 
 @hookimpl
 def elasticfw_register_executors(register):
     register(ReferenceExecutor)
+    register(FlexExecutor)

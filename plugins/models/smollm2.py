@@ -75,9 +75,13 @@ class SmolLM2Source(ModelSource):
 
         print(f"[elasticfw] converting {gguf.name} to safetensors in {target} (once)", flush=True)
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        # transformers refuses to serialise a model loaded from GGUF: rebuild it from a clean config
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(loaded.state_dict())
         tmp = target.with_name(target.name + f".tmp{os.getpid()}")
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)

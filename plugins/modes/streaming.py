@@ -75,7 +75,7 @@ class StreamingAttention(AttentionMode):
         partial = blocks & ~(whole_sink | whole_local)
         sink_tokens, local_tokens = cfg.sink_tokens, cfg.local_tokens
 
-        def token_mask(b, h, q_pos, kv_pos):  # noqa: ARG001 - mask_mod signature
+        def token_mask(b, h, q_pos, kv_pos):
             return (kv_pos < sink_tokens) | (kv_pos > q_pos - local_tokens)
 
         return BlockLayout(blocks[:, None], bs, token_mask, partial[:, None])

@@ -37,13 +37,21 @@ class MLPRouterConfig(RouterConfig):
 
 
 def boundary_pool(keys: torch.Tensor, seq: SeqInfo, pool_tokens: int) -> torch.Tensor:
-    """(B, H, Sk, D) start-aligned keys -> (B, H, D) mean over the first and last N real tokens."""
-    pos = torch.arange(keys.shape[2], device=keys.device)[None, :]
-    n = seq.kv_len.to(keys.device)[:, None]
-    take = ((pos < pool_tokens) | (pos >= n - pool_tokens)) & (pos < n)  # (B, Sk)
-    weights = take.to(torch.float32)
+    """(B, H, Sk, D) start-aligned keys -> (B, H, D) mean over the first and last N real tokens.
+
+    Only those (at most 2N) tokens are read, so the cost does not grow with the sequence.
+    """
+    batch, heads, sk, dim = keys.shape
+    n = seq.kv_len.to(keys.device)[:, None]  # (B, 1)
+    offs = torch.arange(pool_tokens, device=keys.device)[None, :]
+    first = offs.expand(batch, -1)
+    last = n - pool_tokens + offs
+    valid = torch.cat([first < n, last >= pool_tokens], dim=1)  # a token in both windows counts once
+    idx = torch.cat([first, last], dim=1).clamp(0, max(sk - 1, 0))
+    weights = valid.to(torch.float32)
     weights = weights / weights.sum(-1, keepdim=True).clamp_min(1.0)
-    return torch.einsum("bhsd,bs->bhd", keys.float(), weights)
+    picked = keys.gather(2, idx[:, None, :, None].expand(batch, heads, idx.shape[1], dim))
+    return torch.einsum("bhnd,bn->bhd", picked.float(), weights)
 
 
 class _LayerRouter(nn.Module):

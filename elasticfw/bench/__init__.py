@@ -1,0 +1,1 @@
+"""Benchmarks (``python -m elasticfw.bench.<name>``); each writes one JSON file with its environment."""

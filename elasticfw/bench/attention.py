@@ -1,0 +1,647 @@
+"""Attention kernel benchmark: dense SDPA baselines vs the `flex` executor on every registered mode.
+
+    python -m elasticfw.bench.attention --out results/attention_bench.json
+    python -m elasticfw.bench.attention --out results/layout_memory.json --seq --layout-memory 131072
+    python -m elasticfw.bench.attention --device cpu --seq 256 --q-heads 4 --kv-heads 2 --head-dim 16 \\
+        --out /tmp/bench.json                                   # smoke run on CPU
+
+Default shape: Llama-3.1-8B attention (B=1, 32 query heads, 8 KV heads, head dim 128, causal,
+bf16), S in {8192, 32768}. In one process it times, per S:
+
+* ``sdpa_cudnn`` / ``sdpa_flash``: dense causal SDPA pinned to the cuDNN / FlashAttention-2 backend
+  (``sdpa_math`` on CPU). ``sdpa_cudnn`` is the baseline every ``ratio`` refers to (same kind).
+* ``flex_dense_raw``: the compiled FlexAttention kernel on a prebuilt causal BlockMask (kernel only).
+* ``flex:<mode>``: ``FlexExecutor.attend`` on a prebuilt layout of every registered mode with its
+  default (paper) config: the BlockMask conversion plus the kernel. ``layout:<mode>`` times the
+  layout construction and ``convert:<mode>`` the layout → BlockMask conversion alone;
+  ``mode:<mode>`` adds the mode's side branch when it has one.
+* ``flex:hybrid(full+<mode>)``: the Elastic Attention case, one launch for a layer whose first
+  ``(1 - msr)`` of KV heads run full attention and the rest ``<mode>`` (``--msr``, default 0.875).
+
+Forward (inference, no autograd) for all; forward+backward (``fwd_bwd``) for the SDPA baselines,
+``flex_dense_raw`` and every ``flex:`` entry. The first call of each compiled entry is timed
+separately (``first_call_s``, compile included). ``--layout-memory N`` measures, per mode, the
+peak CUDA memory of building its layout (and of converting it to a BlockMask) at N tokens:
+``torch.cuda.max_memory_allocated`` above what was allocated before; ``>= N*N`` bytes (one byte
+per query-key pair) is recorded as a failure.
+
+One entry failing records its error in the JSON and the run goes on; the exit status is 1 if
+anything failed. The JSON records GPU, torch/triton/transformers/cuDNN versions, the git commit
+(``git rev-parse HEAD``, else the environment variable ``ELASTICFW_COMMIT``) and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elasticfw.attention.flex_mask import to_block_mask
+from elasticfw.attention.layout import BlockLayout, causal_layout, esr, select_heads
+from elasticfw.attention.mode import AttentionMode
+from elasticfw.attention.seq import SeqInfo
+from elasticfw.registry import get_registry
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+# ---------------------------------------------------------------------------------------
+# Environment
+# ---------------------------------------------------------------------------------------
+
+
+def _version(module: str) -> str | None:
+    try:
+        mod = __import__(module)
+    except ImportError:
+        return None
+    return str(getattr(mod, "__version__", "unknown"))
+
+
+def git_commit() -> dict[str, Any]:
+    """HEAD of the checkout this module lives in (and whether the tree differs from it), else
+    ``$ELASTICFW_COMMIT`` (copies of the repository without ``.git``)."""
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*cmd: str) -> str:
+        out = subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True, timeout=10, check=True)
+        return out.stdout.strip()
+
+    env = os.environ.get("ELASTICFW_COMMIT")
+    try:
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != root:
+            raise subprocess.SubprocessError("not the elasticfw checkout")
+        return {"git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(git("status", "--porcelain"))}
+    except (OSError, subprocess.SubprocessError):
+        return {"git_commit": env, "git_dirty": None}
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        **git_commit(),
+        "elasticfw_commit_env": os.environ.get("ELASTICFW_COMMIT"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "device": str(device),
+        "host": platform.node(),
+    }
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+        env["cudnn"] = torch.backends.cudnn.version()
+        env["capability"] = list(torch.cuda.get_device_capability(device))
+    else:
+        env["gpu"] = None
+        env["cpu"] = platform.processor() or platform.machine()
+        env["threads"] = torch.get_num_threads()
+    return env
+
+
+# ---------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], Any], device: torch.device, args: argparse.Namespace, grads=None) -> float:
+    """Median milliseconds of ``fn``: triton's do_bench on CUDA (L2 flushed between runs, warmup
+    and repetition budgets in ms), a synchronised wall-clock loop elsewhere."""
+    if device.type == "cuda":
+        try:
+            from triton.testing import do_bench
+        except ImportError:
+            do_bench = None
+        if do_bench is not None:
+            return float(
+                do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms, grad_to_none=grads, return_mode="median")
+            )
+    for _ in range(args.cpu_warmup):
+        fn()
+    times = []
+    for _ in range(args.cpu_iters):
+        if grads:
+            for t in grads:
+                t.grad = None
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def first_call_s(fn: Callable[[], Any], device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------------------
+# The benchmark
+# ---------------------------------------------------------------------------------------
+
+
+class Recorder:
+    """Collects result rows; a failing entry becomes a row with its error. ``on_row`` runs after
+    every row (the JSON is rewritten each time, so a run cut short still leaves its results)."""
+
+    def __init__(self, on_row: Callable[[Recorder], None] | None = None) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.failures: list[str] = []
+        self.on_row = on_row
+
+    def run(self, row: dict[str, Any], body: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        row = dict(row, error=None)
+        try:
+            body(row)
+        except Exception as exc:  # noqa: BLE001 - a benchmark entry's failure is recorded, the run goes on
+            row["error"] = f"{type(exc).__name__}: {exc}"
+            row["traceback"] = traceback.format_exc(limit=8)
+            self.failures.append(f"{row.get('name')} [{row.get('kind')}] S={row.get('seq')}: {row['error']}")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # after an out-of-memory error, let the next entry start clean
+        self.rows.append(row)
+        if self.on_row is not None:
+            self.on_row(self)
+        status = f"{row['ms']:.3f} ms" if row.get("ms") is not None else (row["error"] or "ok")
+        print(f"[bench] S={row.get('seq')} {row.get('kind'):8s} {row.get('name')}: {status}", flush=True)
+        return row
+
+
+def causal_flops(batch: int, heads: int, seq: int, dim: int) -> float:
+    """Forward FLOPs of causal attention (two matmuls over the causal half)."""
+    return 4.0 * batch * heads * dim * seq * (seq + 1) / 2
+
+
+def _modes(args: argparse.Namespace) -> list[AttentionMode]:
+    registry = get_registry()
+    names = registry.names("sparse_mode") if not args.modes else args.modes
+    out = []
+    for name in names:
+        entry = registry.entry("sparse_mode", name)
+        out.append(entry.cls(entry.config_class()))  # type: ignore[misc]
+    return out
+
+
+def _hybrid(sparse: BlockLayout, seq: SeqInfo, hq: int, hkv: int, msr: float) -> BlockLayout:
+    """First ``round((1 - msr) * hkv)`` KV heads full (causal), the rest ``sparse`` (per query head)."""
+    full = causal_layout(seq, sparse.block_size)
+    n_full = int(round((1.0 - msr) * hkv))
+    group = hq // hkv
+    use_full = (torch.arange(hq, device=seq.device) // group < n_full)[None, :].expand(seq.batch, hq)
+    return select_heads(use_full, full, sparse)
+
+
+def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.device) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor, _call_flex, _compiled_flex
+
+    dtype = DTYPES[args.dtype]
+    B, hq, hkv, D = args.batch, args.q_heads, args.kv_heads, args.head_dim
+    scale = D**-0.5
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q0 = torch.randn(B, hq, S, D, generator=g).to(device, dtype)
+    k0 = torch.randn(B, hkv, S, D, generator=g).to(device, dtype)
+    v0 = torch.randn(B, hkv, S, D, generator=g).to(device, dtype)
+    dout = torch.randn(B, hq, S, D, generator=g).to(device, dtype)
+    seq = SeqInfo.dense(B, S, S, device=device)
+    flops = causal_flops(B, hq, S, D)
+    base: dict[str, float] = {}
+
+    def leaves():
+        return [t.detach().clone().requires_grad_(True) for t in (q0, k0, v0)]
+
+    def finish(row: dict[str, Any], ms: float, dense: bool) -> None:
+        row["ms"] = ms
+        if dense:
+            mult = 1.0 if row["kind"] == "fwd" else 3.5  # backward = 2.5x forward FLOPs
+            row["tflops"] = flops * mult / (ms * 1e-3) / 1e12
+        if row["name"] == args.baseline_name:
+            base[row["kind"]] = ms
+        row["ratio_vs_" + args.baseline_name] = ms / base[row["kind"]] if row["kind"] in base else None
+
+    # -- dense SDPA baselines ------------------------------------------------------------
+    backends = (
+        [("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)]
+        if device.type == "cuda"
+        else [("sdpa_math", SDPBackend.MATH)]
+    )
+    for name, backend in backends:
+        for kind in ("fwd", "fwd_bwd"):
+            if kind == "fwd_bwd" and args.no_backward:
+                continue
+
+            def body(row, backend=backend, kind=kind):
+                def sdpa(q, k, v, gqa):
+                    with sdpa_kernel(backend):
+                        if gqa:
+                            return torch.nn.functional.scaled_dot_product_attention(
+                                q, k, v, is_causal=True, scale=scale, enable_gqa=True
+                            )
+                        return torch.nn.functional.scaled_dot_product_attention(
+                            q, k, v, is_causal=True, scale=scale
+                        )
+
+                q, k, v = leaves() if kind == "fwd_bwd" else (q0, k0, v0)
+                gqa = True
+                try:
+                    with torch.no_grad():
+                        sdpa(q0, k0, v0, True)
+                except RuntimeError as exc:  # this backend has no GQA: repeat K/V outside the timed region
+                    row["gqa_note"] = (
+                        f"enable_gqa unsupported ({str(exc).splitlines()[0][:120]}); K/V repeated"
+                    )
+                    gqa = False
+                    k = k0.repeat_interleave(hq // hkv, 1).requires_grad_(kind == "fwd_bwd")
+                    v = v0.repeat_interleave(hq // hkv, 1).requires_grad_(kind == "fwd_bwd")
+                if kind == "fwd":
+
+                    def fn():
+                        with torch.no_grad():
+                            sdpa(q, k, v, gqa)
+
+                    finish(row, time_ms(fn, device, args), dense=True)
+                else:
+
+                    def fn():
+                        sdpa(q, k, v, gqa).backward(dout)
+
+                    finish(row, time_ms(fn, device, args, grads=[q, k, v]), dense=True)
+
+            rec.run({"seq": S, "name": name, "kind": kind}, body)
+
+    # -- the raw FlexAttention kernel on a prebuilt causal mask --------------------------
+    executor = FlexExecutor(FlexConfig(implementation=args.implementation))
+    impl = executor.implementation(device)
+    for kind in ("fwd", "fwd_bwd"):
+        if kind == "fwd_bwd" and (args.no_backward or impl == "eager"):
+            continue
+
+        def body(row, kind=kind):
+            row["implementation"] = impl
+            if impl != "compiled":
+                row["skipped"] = f"the raw kernel entry needs the compiled implementation (here: {impl})"
+                return
+            layout = causal_layout(seq, 128)
+            fm = to_block_mask(layout, seq, hq, kernel_block_size=128, compute_q_blocks=kind == "fwd_bwd")
+            fn_c = _compiled_flex(False, "default")
+            q, k, v = leaves() if kind == "fwd_bwd" else (q0, k0, v0)
+            if kind == "fwd":
+
+                def fn():
+                    with torch.no_grad():
+                        _call_flex(fn_c, q, k, v, fm, scale, None)
+
+            else:
+
+                def fn():
+                    _call_flex(fn_c, q, k, v, fm, scale, None)[0].backward(dout)
+
+            row["first_call_s"] = first_call_s(fn, device)
+            finish(row, time_ms(fn, device, args, grads=[q, k, v] if kind == "fwd_bwd" else None), dense=True)
+
+        rec.run({"seq": S, "name": "flex_dense_raw", "kind": kind}, body)
+
+    # -- every registered mode through the executor -------------------------------------
+    layouts: dict[str, tuple[AttentionMode, BlockLayout]] = {}
+    for mode in _modes(args):
+
+        def body(row, mode=mode):
+            with torch.no_grad():
+                row["first_call_s"] = first_call_s(lambda: mode.build_layout(q0, k0, seq), device)
+                layout = mode.build_layout(q0, k0, seq)
+            layouts[mode.name] = (mode, layout)
+            row["block_size"] = layout.block_size
+            row["layout_heads"] = layout.num_heads
+            row["config"] = mode.config.model_dump()
+
+            def fn():
+                with torch.no_grad():
+                    mode.build_layout(q0, k0, seq)
+
+            row["ms"] = time_ms(fn, device, args)
+            try:
+                row["esr_mean"] = float(esr(layout, seq, hq).mean())
+            except Exception as exc:  # noqa: BLE001 - sparsity is informative only
+                row["esr_error"] = f"{type(exc).__name__}: {exc}"
+
+        rec.run({"seq": S, "name": f"layout:{mode.name}", "kind": "layout"}, body)
+
+    entries: list[tuple[str, AttentionMode | None, Callable[[], BlockLayout]]] = []
+    for name, (mode, layout) in layouts.items():
+        entries.append((name, mode, lambda layout=layout: layout))
+    if not args.no_hybrid:
+        for name, (_mode, layout) in layouts.items():
+            if layout.dense_causal:
+                continue
+            entries.append(
+                (
+                    f"hybrid(full+{name},msr={args.msr})",
+                    None,
+                    lambda layout=layout: _hybrid(layout, seq, hq, hkv, args.msr),
+                )
+            )
+
+    for name, mode, make_layout in entries:
+
+        def convert_body(row, make_layout=make_layout):
+            layout = make_layout()
+            kb = executor.kernel_block_size(layout.block_size, impl, device)
+            row["kernel_block_size"] = kb
+
+            def fn():
+                to_block_mask(layout, seq, hq, kernel_block_size=kb, compute_q_blocks=False)
+
+            row["ms"] = time_ms(fn, device, args)
+
+        rec.run({"seq": S, "name": f"convert:{name}", "kind": "convert"}, convert_body)
+
+        for kind in ("fwd", "fwd_bwd"):
+            if kind == "fwd_bwd" and (args.no_backward or impl == "eager"):
+                continue
+
+            def body(row, make_layout=make_layout, kind=kind):
+                layout = make_layout()
+                row["implementation"] = impl
+                q, k, v = leaves() if kind == "fwd_bwd" else (q0, k0, v0)
+                if kind == "fwd":
+
+                    def fn():
+                        with torch.no_grad():
+                            executor.attend(q, k, v, layout, seq, scale=scale)
+
+                else:
+
+                    def fn():
+                        executor.attend(q, k, v, layout, seq, scale=scale).out.backward(dout)
+
+                row["first_call_s"] = first_call_s(fn, device)
+                finish(
+                    row,
+                    time_ms(fn, device, args, grads=[q, k, v] if kind == "fwd_bwd" else None),
+                    dense=False,
+                )
+
+            rec.run({"seq": S, "name": f"flex:{name}", "kind": kind}, body)
+
+        if mode is not None and type(mode).side_branch is not AttentionMode.side_branch:
+
+            def side_body(row, mode=mode, make_layout=make_layout):
+                layout = make_layout()
+
+                def fn():
+                    with torch.no_grad():
+                        mode.attend(q0, k0, v0, seq, executor, scale=scale, layout=layout)
+
+                finish(row, time_ms(fn, device, args), dense=False)
+
+            rec.run({"seq": S, "name": f"mode:{name}", "kind": "fwd"}, side_body)
+
+
+def correctness(N: int, args: argparse.Namespace, rec: Recorder, device: torch.device) -> None:
+    """The flex executor (as configured) against the reference executor on this device, for every
+    registered mode: outputs, lse and q/k/v gradients on a dense prefill, a chunked prefill with
+    unaligned per-sample query starts, and a decode step."""
+    from elasticfw.testing.modes import TOLERANCE, rel_rms
+    from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
+    from elasticfw_plugins.executors.reference import ReferenceExecutor
+
+    dtype = DTYPES[args.dtype]
+    hq, hkv, D = args.q_heads, args.kv_heads, args.head_dim
+    tol = TOLERANCE[dtype]
+    executor = FlexExecutor(FlexConfig(implementation=args.implementation))
+    reference = ReferenceExecutor()
+    cases = {
+        "prefill": SeqInfo.dense(1, N, N, device=device),
+        "chunk_unaligned": SeqInfo.from_lengths(torch.tensor([N, N - 200], device=device), N // 2 - 37, N),
+        "decode": SeqInfo.from_lengths(torch.tensor([N - 3, N // 2 + 5], device=device), 1, N),
+    }
+    g = torch.Generator(device="cpu").manual_seed(1)
+    for case, seq in cases.items():
+        B = seq.batch
+        q0 = torch.randn(B, hq, seq.q_len, D, generator=g).to(device, dtype)
+        k0 = torch.randn(B, hkv, N, D, generator=g).to(device, dtype)
+        v0 = torch.randn(B, hkv, N, D, generator=g).to(device, dtype)
+        dout = torch.randn(B, hq, seq.q_len, D, generator=g).to(device, dtype)
+        dout = dout * seq.query_valid()[:, None, :, None]  # padding rows' outputs are meaningless
+        for mode in _modes(args):
+
+            def body(row, mode=mode, seq=seq, q0=q0, k0=k0, v0=v0, dout=dout, case=case):
+                with torch.no_grad():
+                    layout = mode.build_layout(q0, k0, seq)
+                results = []
+                for ex, cast in ((executor, dtype), (reference, torch.float32)):
+                    q, k, v = (t.detach().to(cast).requires_grad_(True) for t in (q0, k0, v0))
+                    res = ex.attend(q, k, v, layout, seq, scale=D**-0.5)
+                    res.out.backward(dout.to(cast))
+                    results.append(
+                        (res.out.detach().float(), res.lse.detach(), [t.grad.float() for t in (q, k, v)])
+                    )
+                (out, lse, grads), (rout, rlse, rgrads) = results
+                rows = seq.query_valid()[:, None, :]
+                orows = rows[..., None].expand_as(out)
+                row["out_rel_rms"] = rel_rms(out[orows], rout[orows])
+                a, b = lse[rows.expand_as(lse)], rlse[rows.expand_as(rlse)]
+                row["lse_inf_mismatch"] = int((torch.isinf(a) != torch.isinf(b)).sum())
+                fin = torch.isfinite(a) & torch.isfinite(b)
+                row["lse_max_abs"] = float((a[fin] - b[fin]).abs().max()) if bool(fin.any()) else 0.0
+                row["grad_rel_rms"] = {n: rel_rms(x, y) for n, x, y in zip("qkv", grads, rgrads)}
+                row["tolerance"] = {"out": tol, "grad": 3 * tol}
+                bad = []
+                if not row["out_rel_rms"] < tol:
+                    bad.append(f"out rel RMS {row['out_rel_rms']:.2e}")
+                if row["lse_inf_mismatch"]:
+                    bad.append(f"{row['lse_inf_mismatch']} lse -inf mismatches")
+                bad += [f"d{n} rel RMS {e:.2e}" for n, e in row["grad_rel_rms"].items() if not e < 3 * tol]
+                if bad:
+                    raise AssertionError(f"flex vs reference ({case}): " + ", ".join(bad))
+
+            rec.run({"seq": N, "name": f"check:{mode.name}:{case}", "kind": "check"}, body)
+
+
+def layout_memory(
+    N: int, args: argparse.Namespace, rec: Recorder, device: torch.device
+) -> list[dict[str, Any]]:
+    """Peak memory of building each mode's layout (and its BlockMask) at ``N`` tokens."""
+    from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
+
+    dtype = DTYPES[args.dtype]
+    B, hq, hkv, D = args.batch, args.q_heads, args.kv_heads, args.head_dim
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q = torch.randn(B, hq, N, D, generator=g).to(device, dtype)
+    k = torch.randn(B, hkv, N, D, generator=g).to(device, dtype)
+    seq = SeqInfo.dense(B, N, N, device=device)
+    executor = FlexExecutor(FlexConfig(implementation=args.implementation))
+    impl = executor.implementation(device)
+    rows = []
+    quadratic = N * N  # bytes of one dense bool mask
+    for mode in _modes(args):
+
+        def body(row, mode=mode):
+            cuda = device.type == "cuda"
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.empty_cache()
+                before = torch.cuda.memory_allocated(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            start = time.perf_counter()
+            with torch.no_grad():
+                layout = mode.build_layout(q, k, seq)
+            _sync(device)
+            row["layout_s"] = time.perf_counter() - start
+            row["layout_tensor_mib"] = layout.blocks.numel() / 2**20
+            if cuda:
+                peak = torch.cuda.max_memory_allocated(device) - before
+                row["layout_peak_mib"] = peak / 2**20
+                row["layout_peak_over_N2_bytes"] = peak / quadratic
+                torch.cuda.reset_peak_memory_stats(device)
+                before = torch.cuda.memory_allocated(device)
+            start = time.perf_counter()
+            kb = executor.kernel_block_size(layout.block_size, impl, device)
+            fm = to_block_mask(layout, seq, hq, kernel_block_size=kb, compute_q_blocks=True)
+            _sync(device)
+            row["block_mask_s"] = time.perf_counter() - start
+            row["kernel_block_size"] = kb
+            if cuda:
+                peak_bm = torch.cuda.max_memory_allocated(device) - before
+                row["block_mask_peak_mib"] = peak_bm / 2**20
+                row["block_mask_peak_over_N2_bytes"] = peak_bm / quadratic
+                worst = max(peak, peak_bm)
+                if worst >= quadratic:
+                    raise RuntimeError(
+                        f"peak memory {worst / 2**20:.0f} MiB >= N^2 bytes ({quadratic / 2**20:.0f} MiB): O(N^2)"
+                    )
+            else:
+                row["note"] = "peak memory is measured on CUDA only"
+            del fm, layout
+
+        rows.append(rec.run({"seq": N, "name": f"layout_memory:{mode.name}", "kind": "memory"}, body))
+    return rows
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m elasticfw.bench.attention", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    p.add_argument(
+        "--seq", type=int, nargs="*", default=[8192, 32768], help="sequence lengths (none: skip timing)"
+    )
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--q-heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--modes", nargs="*", default=None, help="registered mode names (default: all)")
+    p.add_argument(
+        "--implementation", default="auto", help="flex executor implementation (auto/compiled/...)"
+    )
+    p.add_argument("--msr", type=float, default=0.875, help="sparse share of KV heads in the hybrid entries")
+    p.add_argument("--no-hybrid", action="store_true")
+    p.add_argument("--no-backward", action="store_true")
+    p.add_argument(
+        "--layout-memory", type=int, default=None, metavar="N", help="also measure layout memory at N tokens"
+    )
+    p.add_argument(
+        "--check-seq",
+        type=int,
+        default=2048,
+        help="correctness check vs the reference at this length (0: skip)",
+    )
+    p.add_argument("--warmup-ms", type=int, default=100, help="CUDA: do_bench warmup budget (ms)")
+    p.add_argument("--rep-ms", type=int, default=500, help="CUDA: do_bench repetition budget (ms)")
+    p.add_argument("--cpu-warmup", type=int, default=1)
+    p.add_argument("--cpu-iters", type=int, default=3)
+    args = p.parse_args(argv)
+    args.baseline_name = "sdpa_cudnn" if torch.device(args.device).type == "cuda" else "sdpa_math"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("[bench] CUDA requested but not available", file=sys.stderr)
+        return 2
+    rec = Recorder(on_row=lambda r: _write(args.out, report, r))
+    report: dict[str, Any] = {
+        "benchmark": "elasticfw.bench.attention",
+        "environment": environment(device),
+        "shape": {
+            "batch": args.batch,
+            "q_heads": args.q_heads,
+            "kv_heads": args.kv_heads,
+            "head_dim": args.head_dim,
+            "dtype": args.dtype,
+            "causal": True,
+        },
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "baseline": args.baseline_name,
+        "modes": get_registry().names("sparse_mode"),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.check_seq:
+        correctness(args.check_seq, args, rec, device)
+        _write(args.out, report, rec)
+    for S in args.seq:
+        bench_seq(S, args, rec, device)
+        _write(args.out, report, rec)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if args.layout_memory:
+        report["layout_memory_tokens"] = args.layout_memory
+        layout_memory(args.layout_memory, args, rec, device)
+    _write(args.out, report, rec)
+    print(f"[bench] wrote {args.out}; {len(rec.failures)} failure(s)", flush=True)
+    for line in rec.failures:
+        print(f"[bench] FAILED {line}", file=sys.stderr)
+    return 1 if rec.failures else 0
+
+
+def summarize(rows: list[dict[str, Any]], baseline: str) -> dict[str, dict[str, dict[str, float | None]]]:
+    """{"S=8192": {"flex:streaming fwd": {"ms": ..., "ratio": ...}, ...}, ...} over timed rows."""
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    for row in rows:
+        if row.get("ms") is None or row["kind"] not in ("fwd", "fwd_bwd"):
+            continue
+        out.setdefault(f"S={row['seq']}", {})[f"{row['name']} {row['kind']}"] = {
+            "ms": round(row["ms"], 4),
+            "ratio": None
+            if row.get(f"ratio_vs_{baseline}") is None
+            else round(row[f"ratio_vs_{baseline}"], 4),
+        }
+    return out
+
+
+def _write(path: Path, report: dict[str, Any], rec: Recorder) -> None:
+    data = dict(
+        report, summary=summarize(rec.rows, report["baseline"]), results=rec.rows, failures=rec.failures
+    )
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Run every variant of a recipe's ``compare:`` list on the same samples; print and save a table."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elasticfw.errors import RecipeError
+from elasticfw.eval.generate import evaluate
+from elasticfw.model.loading import load_model, make_elastic
+from elasticfw.registry import get_registry
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def environment() -> dict[str, Any]:
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "threads": torch.get_num_threads(),
+        "commit": git_commit(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = f"{'variant':<24} {'accuracy':>9} {'MSR':>6} {'ESR':>6} {'ESR(last)':>9} {'samples':>7} {'time':>8}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['label']:<24} {r['accuracy']:>9.3f} {r['msr']:>6.3f} {r['esr']:>6.3f} {r['esr_last_layer']:>9.3f} "
+            f"{r['samples']:>7d} {r['seconds']:>7.1f}s"
+        )
+    return "\n".join(lines)
+
+
+def run_comparison(recipe: Any, *, out: str | None = None) -> dict[str, Any]:
+    if not recipe.compare:
+        raise RecipeError("compare: the recipe has no `compare:` list of variants to run")
+    if recipe.eval is None:
+        raise RecipeError("eval: required to run a comparison (it names the task and generation settings)")
+    registry = get_registry()
+    t0 = time.perf_counter()
+    _say(f"[elasticfw] loading model {recipe.model.name!r} ({recipe.model.dtype}, device {recipe.model.device})")
+    model, tokenizer = load_model(recipe.model, registry=registry)
+    task = registry.make("task", recipe.eval.task)
+    samples = task.samples(tokenizer, seed=recipe.seed)
+    lengths = [len(s.input_ids) for s in samples]
+    _say(f"[elasticfw] {len(samples)} {task.name} samples, {min(lengths)}-{max(lengths)} tokens "
+         f"(model ready in {time.perf_counter() - t0:.0f}s)")
+    rows = []
+    for variant in recipe.compare:
+        _say(f"[elasticfw] variant {variant.label!r}: router {variant.elastic.router.name}, "
+             f"{variant.elastic.retrieval_mode.name}-{variant.elastic.sparse_mode.name}")
+        elastic = make_elastic(model, tokenizer, variant.elastic, registry=registry,
+                               base_model_name=recipe.model.name, seed=recipe.seed)
+
+        def progress(done: int, total: int, _label: str = variant.label) -> None:
+            print(f"\r  {_label}: {done}/{total} samples", end="" if done < total else "\n", flush=True)
+
+        try:
+            result = evaluate(elastic, tokenizer, task, samples, batch_size=recipe.eval.batch_size,
+                              max_new_tokens=recipe.eval.max_new_tokens, padding_side=recipe.eval.padding_side,
+                              progress=progress)
+        finally:
+            elastic.unwrap()
+        row = {"label": variant.label, **result.summary(),
+               "completions": [r.completion for r in result.results],
+               "per_sample": [{"score": r.score, "msr": r.msr, "esr": r.esr, "tokens": r.tokens}
+                              for r in result.results],
+               "elastic": variant.elastic.model_dump(mode="json")}
+        rows.append(row)
+        _say(f"  {variant.label}: accuracy {row['accuracy']:.3f}, MSR {row['msr']:.3f}, ESR {row['esr']:.3f}")
+    table = format_table(rows)
+    _say("\n" + table)
+    report = {"recipe": recipe.model_dump(mode="json"), "environment": environment(), "rows": rows,
+              "total_seconds": time.perf_counter() - t0}
+    path = Path(out) if out else Path(recipe.output_dir or "results") / f"compare-{datetime.now():%Y%m%d-%H%M%S}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    _say(f"\n[elasticfw] report written to {path}")
+    sys.stdout.flush()
+    return report

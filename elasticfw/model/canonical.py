@@ -1,0 +1,83 @@
+"""From transformers' padded tensors to elasticfw's canonical coordinates and back.
+
+Left-padded samples are rolled so that every sample's real keys start at index 0 (see
+:mod:`elasticfw.attention.seq`); queries are rolled so that row 0 is a real token whenever the
+queries cover the padding (prefill). The inverse roll restores transformers' layout. Right
+padding needs no roll. A mask with holes (not one contiguous run of real tokens per sample) is
+rejected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from elasticfw.attention.seq import SeqInfo
+from elasticfw.errors import UnsupportedInputError
+from elasticfw.model.bridge import KeyPaddingInfo
+
+
+@dataclass
+class Canonical:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    seq: SeqInfo
+    restore: Callable[[torch.Tensor], torch.Tensor]  # (B, H, Sq, D) canonical -> transformers rows
+    first_chunk: bool  # the queries start at the sequence's first token (prefill)
+
+
+def _roll_rows(t: torch.Tensor, shifts: list[int]) -> torch.Tensor:
+    """Roll each sample of (B, H, S, D) left by shifts[b] along S."""
+    if not any(shifts):
+        return t
+    return torch.stack([row.roll(-s, dims=1) if s else row for row, s in zip(t, shifts)])
+
+
+def canonicalize(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: KeyPaddingInfo | None
+) -> Canonical:
+    batch, _, sq, _ = q.shape
+    sk = k.shape[2]
+    query_index = info.query_index if info is not None else sk - sq
+    if query_index < 0 or query_index + sq > sk:
+        raise UnsupportedInputError(
+            f"queries at key index {query_index}..{query_index + sq} do not fit {sk} keys"
+        )
+    device = q.device
+    if info is None or info.key_mask is None:
+        seq = SeqInfo.dense(batch, sq, sk, device) if query_index == sk - sq else SeqInfo(
+            torch.full((batch,), query_index, dtype=torch.long, device=device),
+            torch.full((batch,), sk, dtype=torch.long, device=device),
+            sq,
+            sk,
+        )
+        return Canonical(q, k, v, seq, lambda out: out, query_index == 0)
+
+    mask = info.key_mask.to(device)
+    if mask.shape != (batch, sk):
+        raise UnsupportedInputError(f"padding mask of shape {tuple(mask.shape)} does not fit keys ({batch}, {sk})")
+    counts = mask.sum(-1)
+    first = torch.where(counts > 0, mask.to(torch.int8).argmax(-1), torch.zeros_like(counts))
+    idx = torch.arange(sk, device=device)[None, :]
+    contiguous = mask == ((idx >= first[:, None]) & (idx < (first + counts)[:, None]))
+    if not bool(contiguous.all()):
+        raise UnsupportedInputError(
+            "attention_mask must mark one contiguous run of real tokens per sample (left or right padding); "
+            "masks with holes are not supported"
+        )
+    starts = [int(s) for s in first.tolist()]
+    q_shift = [min(max(0, s - query_index), sq) for s in starts]
+    k_c, v_c = _roll_rows(k, starts), _roll_rows(v, starts)
+    q_c = _roll_rows(q, q_shift)
+    q_start = torch.tensor(
+        [max(query_index + r - s, 0) for r, s in zip(q_shift, starts)], dtype=torch.long, device=device
+    )
+    seq = SeqInfo(q_start, counts.to(torch.long), sq, sk)
+
+    def restore(out: torch.Tensor) -> torch.Tensor:
+        return _roll_rows(out, [-s for s in q_shift]) if any(q_shift) else out
+
+    return Canonical(q_c, k_c, v_c, seq, restore, query_index == 0)

@@ -1,0 +1,206 @@
+"""Elastic models: a frozen Hugging Face causal LM plus a router, entered through transformers'
+attention interface.
+
+>>> elastic = ElasticModel(hf_model, recipe.elastic)        # turn a loaded model elastic
+>>> out = elastic(input_ids=ids, attention_mask=mask)       # any forward / generate works
+>>> elastic.routing.msr, elastic.routing.esr                # per-sample statistics
+>>> base = elastic.unwrap()                                 # and back
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from elasticfw.errors import ElasticError, UnsupportedInputError
+from elasticfw.model.adapter import BackboneAdapter
+from elasticfw.model.bridge import BINDING_ATTR, IMPLEMENTATION, register_implementation
+from elasticfw.model.runtime import ElasticRuntime, LayerBinding
+from elasticfw.registry import Registry, get_registry
+from elasticfw.routing.base import HeadLayout, Router
+
+
+def resolve_adapter(config: Any, registry: Registry | None = None) -> BackboneAdapter:
+    """The backbone adapter serving ``config.model_type`` (clear error if none does)."""
+    registry = registry or get_registry()
+    model_type = getattr(config, "model_type", None)
+    supported: dict[str, str] = {}
+    for entry in registry.entries("backbone"):
+        for mt in entry.cls.model_types:  # type: ignore[attr-defined]
+            supported[mt] = entry.name
+    if model_type not in supported:
+        raise UnsupportedInputError(
+            f"no backbone adapter serves model_type {model_type!r}; supported model types: "
+            f"{', '.join(sorted(supported))}. Write a backbone plugin (see docs/how-to/add-a-backbone.md)"
+        )
+    return registry.get("backbone", supported[model_type])()
+
+
+@dataclass(frozen=True)
+class RoutingReport:
+    """Routing and sparsity of the last prefill, per sample.
+
+    ``decisions`` (B, L_routed, Hkv) bool (True = sparse mode); ``msr`` (B,) model sparsity
+    ratio; ``esr`` (B,) all-layer effective sparsity ratio (fraction of causal pairs not
+    computed over every layer and head — what cost follows); ``esr_last_layer`` (B,) the paper's
+    Eq. 5 (mean pruning ratio over the last layer's heads); ``layer_esr`` (B, L, Hq).
+    """
+
+    decisions: torch.Tensor
+    prob_sparse: torch.Tensor
+    msr: torch.Tensor
+    esr: torch.Tensor
+    esr_last_layer: torch.Tensor
+    layer_esr: torch.Tensor
+    routed_layers: tuple[int, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "msr": self.msr.tolist(),
+            "esr": self.esr.tolist(),
+            "esr_last_layer": self.esr_last_layer.tolist(),
+            "routed_layers": list(self.routed_layers),
+            "decisions": self.decisions.int().tolist(),
+        }
+
+
+class ElasticModel(nn.Module):
+    """A causal LM whose attention heads are routed between a retrieval and a sparse mode.
+
+    The backbone's parameters are frozen (``requires_grad=False``) and stay in eval mode;
+    ``train()`` / ``eval()`` switch the router only. ``trainable_parameters()`` are the router's.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        elastic: Any,
+        *,
+        registry: Registry | None = None,
+        base_model_name: str | None = None,
+    ) -> None:
+        super().__init__()
+        registry = registry or get_registry()
+        if getattr(model, "_elasticfw_wrapped", False):
+            raise ElasticError("this model is already elastic; unwrap() it first")
+        self.adapter = resolve_adapter(model.config, registry)
+        self.adapter.check_supported(model.config)
+        num_layers, hq, hkv, head_dim = self.adapter.head_layout(model.config)
+        windows = [self.adapter.sliding_window(model, i) for i in range(num_layers)]
+        routed = tuple(
+            i for i in range(num_layers) if windows[i] is None or elastic.route_sliding_window_layers
+        )
+        if not routed:
+            raise UnsupportedInputError(
+                "every layer of this model uses a sliding window and elastic.route_sliding_window_layers is "
+                "false: nothing to route; set it to true"
+            )
+        self.elastic_config = elastic
+        self.base_model_name = base_model_name or getattr(model.config, "_name_or_path", None) or ""
+        self.heads = HeadLayout(routed, hkv, hq, head_dim)
+        self.base = model
+        self.router: Router = registry.make("router", elastic.router, heads=self.heads)
+        device = next(model.parameters()).device
+        self.router.to(device)
+        self.runtime = ElasticRuntime(
+            retrieval_mode=registry.make("sparse_mode", elastic.retrieval_mode),
+            sparse_mode=registry.make("sparse_mode", elastic.sparse_mode),
+            executor=registry.make("executor", elastic.executor),
+            router=self.router,
+            routed={layer: i for i, layer in enumerate(routed)},
+            num_layers=num_layers,
+            num_q_heads=hq,
+            num_kv_heads=hkv,
+        )
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model.eval()
+        register_implementation()
+        self._previous_impl = model.config._attn_implementation
+        for i, module in enumerate(self.adapter.attention_modules(model)):
+            setattr(module, BINDING_ATTR, LayerBinding(self.runtime, i))
+        model.set_attn_implementation(IMPLEMENTATION)
+        model._elasticfw_wrapped = True
+        self.router.eval()
+
+    # -- nn.Module behaviour ------------------------------------------------------------------
+    def train(self, mode: bool = True) -> ElasticModel:
+        """Switch the router (only) between training and inference behaviour."""
+        self.training = mode
+        self.router.train(mode)
+        return self
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.router.parameters() if p.requires_grad]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_packed(kwargs)
+        return self.base(*args, **kwargs)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """``generate`` of the backbone; routing is decided on the prompt and kept for every step
+        (with or without a KV cache)."""
+        self._check_packed(kwargs)
+        self.runtime.decisions.clear()
+        self.runtime.records.clear()
+        self.runtime.hold_decisions = True
+        try:
+            return self.base.generate(*args, **kwargs)
+        finally:
+            self.runtime.hold_decisions = False
+
+    @staticmethod
+    def _check_packed(kwargs: dict[str, Any]) -> None:
+        pos = kwargs.get("position_ids")
+        if pos is not None and kwargs.get("attention_mask") is None and pos.dim() == 2 and pos.shape[1] > 1:
+            if bool((pos[:, 1:] < pos[:, :-1]).any()):
+                raise UnsupportedInputError(
+                    "packed sequences (position_ids restarting inside a row) are not supported; pad the batch "
+                    "and pass attention_mask instead"
+                )
+
+    def set_progress(self, progress: float) -> None:
+        """Training progress in [0, 1] (drives the router's temperature schedule)."""
+        self.router.set_progress(progress)
+
+    def unwrap(self) -> nn.Module:
+        """Restore and return the plain backbone (its parameters' ``requires_grad`` stays False)."""
+        model = self.base
+        for module in self.adapter.attention_modules(model):
+            if hasattr(module, BINDING_ATTR):
+                delattr(module, BINDING_ATTR)
+        model.set_attn_implementation(self._previous_impl)
+        model._elasticfw_wrapped = False
+        return model
+
+    # -- statistics --------------------------------------------------------------------------------
+    @property
+    def routing(self) -> RoutingReport:
+        records = self.runtime.records
+        if not records:
+            raise ElasticError("no forward pass has run yet: routing statistics are not available")
+        layers = sorted(records)
+        routed = [i for i in layers if records[i].sparse is not None]
+        decisions = torch.stack([records[i].sparse for i in routed], dim=1)  # type: ignore[misc]
+        probs = torch.stack([records[i].prob_sparse for i in routed], dim=1)  # type: ignore[misc]
+        causal = records[layers[0]].causal.double().clamp_min(1)
+        computed = torch.stack([records[i].computed for i in layers], dim=1).double()  # (B, L, Hq)
+        layer_esr = 1 - computed / causal[:, None, None]
+        return RoutingReport(
+            decisions=decisions,
+            prob_sparse=probs,
+            msr=decisions.float().mean((1, 2)),
+            esr=layer_esr.mean((1, 2)).float(),
+            esr_last_layer=layer_esr[:, -1].mean(-1).float(),
+            layer_esr=layer_esr.float(),
+            routed_layers=tuple(routed),
+        )
+
+    # -- adapters on disk ------------------------------------------------------------------------
+    def save_adapter(self, path: str) -> None:
+        from elasticfw.model.checkpoint import save_adapter
+
+        save_adapter(self, path)

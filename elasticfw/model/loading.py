@@ -1,0 +1,42 @@
+"""Load the backbone a recipe names and make it elastic."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from elasticfw.registry import Registry, get_registry
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+def load_model(section: Any, *, registry: Registry | None = None) -> tuple[Any, Any]:
+    """(model, tokenizer) for a recipe's ``model`` section: a registered short name, a local
+    path or a hub id (the latter two through ``transformers.AutoModelForCausalLM``)."""
+    registry = registry or get_registry()
+    dtype, device = DTYPES[section.dtype], resolve_device(section.device)
+    if ("model", section.name) in registry:
+        return registry.get("model", section.name)().load(dtype=dtype, device=device)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(section.name, revision=section.revision)
+    model = AutoModelForCausalLM.from_pretrained(section.name, dtype=dtype, revision=section.revision)
+    return model.to(device).eval(), tokenizer
+
+
+def make_elastic(model: Any, tokenizer: Any, elastic_section: Any, *, registry: Registry | None = None,
+                 base_model_name: str | None = None, seed: int = 0) -> Any:
+    """Wrap ``model`` and let the router prepare itself (e.g. retrieval-score calibration)."""
+    from elasticfw.model.elastic import ElasticModel
+
+    torch.manual_seed(seed)
+    elastic = ElasticModel(model, elastic_section, registry=registry, base_model_name=base_model_name)
+    elastic.router.prepare(elastic, tokenizer, seed=seed)
+    return elastic

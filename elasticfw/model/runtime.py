@@ -1,0 +1,195 @@
+"""Per-layer hybrid execution: route, run the modes, mix or merge, and record statistics.
+
+Training (a learnable router in train mode with gradients on): every head computes *both*
+modes and the outputs are mixed per KV-head group with the router's straight-through
+decision, ``O = r * O_sparse + (1 - r) * O_retrieval`` (paper §3.2), so gradients reach the
+router through both branches. Inference: each head is computed once, in its routed mode, in a
+single executor call over the combined per-head layout. Decisions are made on a sequence's
+first chunk (prefill) and reused for its later chunks and decode steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from elasticfw.attention.executor import Executor
+from elasticfw.attention.layout import (
+    BlockLayout,
+    causal_layout,
+    computed_pairs,
+    rescale,
+    select_heads,
+    with_window,
+)
+from elasticfw.attention.mode import AttentionMode, AttentionOutput, merge_lse
+from elasticfw.errors import ElasticError
+from elasticfw.model.bridge import KeyPaddingInfo
+from elasticfw.model.canonical import Canonical, canonicalize
+from elasticfw.routing.base import Router, RouterDecision
+
+Observer = Callable[[int, Canonical, float], None]
+
+
+@dataclass
+class LayerBinding:
+    """Attached to each attention module (as a plain attribute, not a submodule)."""
+
+    runtime: ElasticRuntime
+    layer_idx: int
+
+
+@dataclass
+class LayerRecord:
+    """Statistics of one layer for the last prefill."""
+
+    sparse: torch.Tensor | None  # (B, Hkv) hard decisions, None for layers that are not routed
+    prob_sparse: torch.Tensor | None
+    computed: torch.Tensor | None  # (B, Hq) (query, key) pairs computed
+    causal: torch.Tensor  # (B,)
+
+
+@dataclass
+class ElasticRuntime:
+    retrieval_mode: AttentionMode
+    sparse_mode: AttentionMode
+    executor: Executor
+    router: Router
+    routed: dict[int, int]  # absolute layer index -> position among routed layers
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    collect_stats: bool = True
+    decisions: dict[int, RouterDecision] = field(default_factory=dict)
+    records: dict[int, LayerRecord] = field(default_factory=dict)
+    observers: list[Observer] = field(default_factory=list)
+    #: inside ElasticModel.generate: keep the first decision of each layer for the whole call,
+    #: so generation without a KV cache routes exactly like generation with one
+    hold_decisions: bool = False
+
+    # -- entry point (called by the bridge) ---------------------------------------------------
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        info: KeyPaddingInfo | None,
+        *,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        can = canonicalize(q, k, v, info)
+        for observer in self.observers:
+            observer(layer_idx, can, scale)
+        decision = self._decision(layer_idx, can)
+        out = self._execute(layer_idx, can, decision, scale, sliding_window)
+        return can.restore(out)
+
+    @property
+    def mixing(self) -> bool:
+        """Both modes for every head (training a learnable router)."""
+        return (
+            self.router.training
+            and torch.is_grad_enabled()
+            and any(p.requires_grad for p in self.router.parameters())
+        )
+
+    # -- routing --------------------------------------------------------------------------------
+    def _decision(self, layer_idx: int, can: Canonical) -> RouterDecision | None:
+        if layer_idx not in self.routed:
+            return None
+        held = self.decisions.get(layer_idx) if self.hold_decisions else None
+        if held is not None and held.sparse.shape[0] == can.q.shape[0]:
+            return held
+        if can.first_chunk or self.mixing:
+            decision = self.router.decide(self.routed[layer_idx], can.k, can.seq)
+            self.decisions[layer_idx] = decision
+            return decision
+        decision = self.decisions.get(layer_idx)
+        if decision is None or decision.sparse.shape[0] != can.q.shape[0]:
+            raise ElasticError(
+                f"layer {layer_idx}: a continuation chunk (decode step or chunked prefill) arrived without the "
+                "routing decision of its prefill; run the prompt from its first token first"
+            )
+        return decision
+
+    # -- execution ------------------------------------------------------------------------------
+    def _layouts(
+        self, modes: list[AttentionMode], can: Canonical, window: int | None
+    ) -> list[BlockLayout]:
+        out = []
+        with torch.no_grad():
+            for mode in modes:
+                layout = mode.build_layout(can.q, can.k, can.seq)
+                out.append(with_window(layout, can.seq, window) if window else layout)
+        return out
+
+    def _execute(
+        self, layer_idx: int, can: Canonical, decision: RouterDecision | None, scale: float, window: int | None
+    ) -> torch.Tensor:
+        q, k, v, seq = can.q, can.k, can.v, can.seq
+        hq, hkv = q.shape[1], k.shape[1]
+        record = self.collect_stats and can.first_chunk and not (self.hold_decisions and layer_idx in self.records)
+        if decision is None:  # layer kept native: full (windowed) attention
+            layout = causal_layout(seq, self.retrieval_mode.block_size)
+            layout = with_window(layout, seq, window) if window else layout
+            out = self.executor.attend(q, k, v, layout, seq, scale=scale).out
+            if record:
+                self.records[layer_idx] = LayerRecord(
+                    None, None, computed_pairs(layout, seq, hq), seq.causal_pairs()
+                )
+            return out
+
+        sparse_q = decision.sparse.repeat_interleave(hq // hkv, dim=1)  # (B, Hq)
+        hard = sparse_q.detach() > 0.5
+        if self.mixing:
+            lay_r, lay_s = self._layouts([self.retrieval_mode, self.sparse_mode], can, window)
+            out_r = self.retrieval_mode.attend(q, k, v, seq, self.executor, scale=scale, layout=lay_r).out
+            out_s = self.sparse_mode.attend(q, k, v, seq, self.executor, scale=scale, layout=lay_s).out
+            r = sparse_q.to(out_r.dtype)[:, :, None, None]
+            out = r * out_s + (1 - r) * out_r
+            pairs = (lay_r, lay_s)
+        elif not bool(hard.any()) or bool(hard.all()):
+            mode = self.sparse_mode if bool(hard.all()) else self.retrieval_mode
+            (layout,) = self._layouts([mode], can, window)
+            out = mode.attend(q, k, v, seq, self.executor, scale=scale, layout=layout).out
+            pairs = (layout, layout)
+        else:
+            lay_r, lay_s = self._layouts([self.retrieval_mode, self.sparse_mode], can, window)
+            out = self._one_launch(can, hard, lay_r, lay_s, scale)
+            pairs = (lay_r, lay_s)
+        if record:
+            self.records[layer_idx] = LayerRecord(
+                decision.sparse.detach() > 0.5,
+                decision.prob_sparse.detach(),
+                self._pairs(pairs, hard, seq, hq),
+                seq.causal_pairs(),
+            )
+        return out
+
+    def _one_launch(
+        self, can: Canonical, hard: torch.Tensor, lay_r: BlockLayout, lay_s: BlockLayout, scale: float
+    ) -> torch.Tensor:
+        seq = can.seq
+        bs = min(lay_r.block_size, lay_s.block_size)
+        combined = select_heads(hard, rescale(lay_s, seq, bs), rescale(lay_r, seq, bs))
+        result = self.executor.attend(can.q, can.k, can.v, combined, seq, scale=scale)
+        for mode, heads in ((self.sparse_mode, hard), (self.retrieval_mode, ~hard)):
+            extra = mode.side_branch(can.q, can.k, can.v, seq, scale=scale)
+            if extra is not None:
+                merged = merge_lse(result, extra)
+                result = AttentionOutput(
+                    torch.where(heads[:, :, None, None], merged.out, result.out),
+                    torch.where(heads[:, :, None], merged.lse, result.lse),
+                )
+        return result.out
+
+    @staticmethod
+    def _pairs(layouts: tuple[BlockLayout, BlockLayout], hard: torch.Tensor, seq, hq: int) -> torch.Tensor:
+        lay_r, lay_s = layouts
+        if lay_r is lay_s:
+            return computed_pairs(lay_r, seq, hq)
+        return torch.where(hard, computed_pairs(lay_s, seq, hq), computed_pairs(lay_r, seq, hq))

@@ -1,0 +1,1 @@
+"""Public test utilities: the mode conformance suite and tiny random models."""

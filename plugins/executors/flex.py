@@ -1,0 +1,282 @@
+"""FlexAttention executor: one block-sparse launch for all heads of a layer.
+
+Source: PyTorch FlexAttention (He et al., 2024, arXiv 2412.05496;
+``torch.nn.attention.flex_attention``). The layout is converted to a ``BlockMask`` with
+``BlockMask.from_kv_blocks`` (never an S x S mask) by :func:`elasticfw.attention.flex_mask.
+to_block_mask`, which also pads each sample's queries so that unaligned query positions (decode,
+chunked prefill) land on the kernel's tile grid; see that module for the conversion.
+
+Implementations (``implementation``):
+
+* ``compiled`` — ``torch.compile(flex_attention)``: the fused Triton kernel, forward and
+  backward. ``auto`` picks it on CUDA.
+* ``emulated`` — plain PyTorch that computes exactly what the compiled kernel computes from the
+  same ``BlockMask`` (full tiles whole, ``mask_mod`` inside partial tiles, nothing elsewhere), in
+  float32, in query-row chunks (O(chunk x S) memory). Differentiable on any device. ``auto``
+  picks it on CPU, where FlexAttention has no backward at all (torch 2.11-2.13 raise
+  "FlexAttention does not support backward on CPU"); it is what CI runs, and it checks the
+  block lists the GPU kernel will read.
+* ``eager`` — uncompiled ``flex_attention``: PyTorch's reference path, which ignores the block
+  lists, evaluates ``mask_mod`` on all S x S pairs (the executor then puts the layout's block
+  table into ``mask_mod``) and materialises the scores (O(S^2) memory). Forward only on CPU.
+
+Recompilation policy (compiled): one ``torch.compile(flex_attention, fullgraph=True,
+dynamic=False)`` per process (per ``dynamic``/``compile_mode`` pair), shared by every executor.
+Shapes are made rare: the padded query and key lengths are rounded up to a multiple of the
+kernel block size and to one of ``bucket_steps_per_octave`` geometric buckets per power of two
+(at most 1/8 extra rows by default; padded tiles hold no blocks, so they cost memory traffic,
+not attention FLOPs). ``mask_mod`` captures only per-sample tensors and the layout's tables, so
+changing their values never recompiles; a new bucket, batch size, head count, dtype, or a new
+mode's token mask does. Each call runs under ``torch._dynamo.config.patch(recompile_limit=
+recompile_limit, fail_on_recompile_limit_hit=True)``, so running out of cache entries is a loud
+:class:`~elasticfw.errors.BackendUnavailableError` instead of Dynamo's silent fallback to the
+eager O(S^2)-memory path. Both config keys exist in torch 2.11 and 2.13.
+
+Kernel block size: the BlockMask tile is ``kernel_block_size`` (default: 128 when it divides or is
+a multiple of the layout's block size, else the layout's). 128 is what FlexAttention's default
+CUDA kernel configurations need on Hopper (forward BLOCK_M 128; backward BLOCK_N1 128 for head
+dim 128 on sm90 in torch 2.11-2.13): a 64-token layout is coarsened exactly (a sub-block lookup
+in ``mask_mod``). Other sizes need explicit ``kernel_options`` on CUDA, and for the backward
+also ``compile_mode: max-autotune-no-cudagraphs`` (torch 2.11-2.13 drop the default backward
+configuration whose tiles do not divide the block size before ``kernel_options`` apply).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+
+from elasticfw.attention.executor import Executor, ExecutorConfig
+from elasticfw.attention.flex_mask import (
+    FlexMask,
+    bucket_length,
+    default_kernel_block_size,
+    dense_kernel_mask,
+    tile_masks,
+    to_block_mask,
+)
+from elasticfw.attention.layout import BlockLayout
+from elasticfw.attention.mode import AttentionOutput
+from elasticfw.attention.seq import SeqInfo
+from elasticfw.errors import BackendUnavailableError, UnsupportedInputError
+
+#: tile size FlexAttention's default CUDA kernel configurations divide (see module docstring)
+CUDA_KERNEL_BLOCK = 128
+
+
+class FlexConfig(ExecutorConfig):
+    name: Literal["flex"] = "flex"
+    implementation: Literal["auto", "compiled", "emulated", "eager"] = Field(
+        "auto",
+        description="`compiled`: torch.compile'd FlexAttention kernel; `emulated`: plain-PyTorch emulation of "
+        "the kernel from the same BlockMask (differentiable anywhere); `eager`: uncompiled flex_attention "
+        "(O(S^2) memory, forward only on CPU); `auto`: compiled on CUDA, emulated elsewhere.",
+    )
+    kernel_block_size: int | None = Field(
+        None,
+        ge=1,
+        description="BlockMask tile size; must divide or be a multiple of the layout's block size. Default: "
+        "128 when compatible with the layout's block size, else the layout's.",
+    )
+    kernel_options: dict[str, int | bool | str] | None = Field(
+        None, description="Passed to flex_attention as kernel_options (e.g. BLOCK_M, fwd_num_warps)."
+    )
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = Field(
+        "default", description="torch.compile mode of the compiled kernel."
+    )
+    dynamic: bool = Field(False, description="torch.compile(dynamic=...) of the compiled kernel.")
+    bucket_steps_per_octave: int = Field(
+        8,
+        ge=0,
+        description="Compiled path: round padded lengths up to this many geometric buckets per power of two "
+        "(0: only to a multiple of the kernel block size).",
+    )
+    recompile_limit: int = Field(
+        64, ge=1, description="Dynamo recompile limit while this executor runs; exceeding it is an error."
+    )
+    emulation_query_chunk: int = Field(
+        512, ge=1, description="Emulated path: padded query rows processed at once (memory chunk x S)."
+    )
+
+
+_COMPILED: dict[tuple[bool, str], Callable[..., Any]] = {}
+
+
+def _compiled_flex(dynamic: bool, mode: str) -> Callable[..., Any]:
+    """The process-wide compiled ``flex_attention`` for (dynamic, mode)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    key = (dynamic, mode)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(
+            flex_attention, dynamic=dynamic, fullgraph=True, mode=None if mode == "default" else mode
+        )
+    return _COMPILED[key]
+
+
+def _call_flex(fn: Callable[..., Any], q, k, v, fm: FlexMask, scale: float, kernel_options) -> tuple:
+    """Run ``fn`` (flex_attention or its compiled form); returns (out, natural-log lse)."""
+    from torch.nn.attention import flex_attention as fa
+
+    kwargs: dict[str, Any] = dict(
+        block_mask=fm.block_mask, scale=scale, enable_gqa=True, kernel_options=kernel_options
+    )
+    if hasattr(fa, "AuxRequest"):
+        out, aux = fn(q, k, v, return_aux=fa.AuxRequest(lse=True), **kwargs)
+        return out, aux.lse
+    return fn(q, k, v, return_lse=True, **kwargs)  # torch < 2.9
+
+
+def emulate_flex(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fm: FlexMask, scale: float, chunk: int = 512
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the block-sparse FlexAttention kernel computes on padded q/k/v, in float32 PyTorch.
+
+    GQA without repeating K/V (query heads grouped per KV head). Rows with nothing to attend give
+    out 0 and lse -inf, as the kernel does. Returns (out in q.dtype, lse float32).
+    """
+    batch, hq, rows_total, dim = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    tiles = tile_masks(fm.block_mask)
+    kf = k.float()[:, :, None]  # (B, Hkv, 1, Kp, D)
+    vf = v.float()[:, :, None]
+    outs, lses = [], []
+    for start in range(0, rows_total, chunk):
+        rows = slice(start, min(rows_total, start + chunk))
+        n = rows.stop - rows.start
+        mask = dense_kernel_mask(fm, hq, rows, tiles)  # (B, Hq or 1, n, Kp)
+        if mask.shape[1] == 1:
+            mask = mask[:, :, None]
+        else:
+            mask = mask.expand(batch, hq, n, mask.shape[-1]).reshape(batch, hkv, group, n, -1)
+        qc = q[:, :, rows].float().reshape(batch, hkv, group, n, dim)
+        scores = torch.matmul(qc, kf.transpose(-1, -2)) * scale
+        scores = scores.masked_fill(~mask, -math.inf)
+        top = scores.amax(-1, keepdim=True).detach()
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        weights = torch.exp(scores - top)
+        total = weights.sum(-1, keepdim=True)
+        out = torch.matmul(weights, vf) / total.clamp_min(1.0)  # an empty row's total is exactly 0
+        lse = torch.where(total > 0, top + torch.log(total.clamp_min(1.0)), torch.full_like(total, -math.inf))
+        outs.append(out.reshape(batch, hq, n, dim))
+        lses.append(lse.reshape(batch, hq, n))
+    return torch.cat(outs, 2).to(q.dtype), torch.cat(lses, 2)
+
+
+class FlexExecutor(Executor):
+    """FlexAttention over the layout's BlockMask: compiled kernel on CUDA, exact emulation on CPU."""
+
+    name = "flex"
+    config_class = FlexConfig
+    config: FlexConfig
+
+    @classmethod
+    def availability(cls) -> str | None:
+        try:
+            from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
+        except ImportError as exc:
+            return f"torch.nn.attention.flex_attention is not importable (torch {torch.__version__}): {exc}"
+        return None
+
+    # -- decisions -----------------------------------------------------------------------------
+    def implementation(self, device: torch.device) -> str:
+        """The path ``attend`` takes for tensors on ``device``."""
+        impl = self.config.implementation
+        if impl == "auto":
+            return "compiled" if device.type == "cuda" else "emulated"
+        return impl
+
+    def kernel_block_size(self, layout_block_size: int, implementation: str, device: torch.device) -> int:
+        """BlockMask tile size for a layout of ``layout_block_size`` (raises if unsupported)."""
+        kb = self.config.kernel_block_size
+        if kb is None:
+            kb = default_kernel_block_size(layout_block_size, CUDA_KERNEL_BLOCK)
+        if layout_block_size % kb and kb % layout_block_size:
+            raise UnsupportedInputError(
+                f"flex executor: kernel_block_size {kb} must divide or be a multiple of the layout's block "
+                f"size {layout_block_size}"
+            )
+        if (
+            implementation == "compiled"
+            and device.type == "cuda"
+            and kb % CUDA_KERNEL_BLOCK
+            and not self.config.kernel_options
+        ):
+            raise UnsupportedInputError(
+                f"flex executor: block size {kb} is unsupported by FlexAttention's default CUDA kernel "
+                f"configurations (they need multiples of {CUDA_KERNEL_BLOCK}: forward BLOCK_M 128, backward "
+                f"BLOCK_N1 128 on Hopper); set flex.kernel_block_size to a multiple of {CUDA_KERNEL_BLOCK} "
+                "(layouts are coarsened exactly) or pass flex.kernel_options with tile sizes dividing it "
+                "(training also needs flex.compile_mode 'max-autotune-no-cudagraphs')"
+            )
+        return kb
+
+    # -- the contract ------------------------------------------------------------------------
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: BlockLayout,
+        seq: SeqInfo,
+        *,
+        scale: float,
+    ) -> AttentionOutput:
+        self.check_inputs(q, k, v, seq)
+        cfg = self.config
+        impl = self.implementation(q.device)
+        kb = self.kernel_block_size(layout.block_size, impl, q.device)
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        if impl == "eager" and needs_grad and q.device.type == "cpu":
+            raise UnsupportedInputError(
+                "flex executor: FlexAttention has no backward on CPU; use implementation 'emulated' (or 'auto')"
+            )
+        q_pad = k_pad = None
+        if impl == "compiled":
+            steps = cfg.bucket_steps_per_octave
+            q_pad = bucket_length(seq.num_query_blocks(kb) * kb, kb, steps)
+            k_pad = bucket_length(seq.kv_capacity, kb, steps)
+        fm = to_block_mask(
+            layout,
+            seq,
+            q.shape[1],
+            kernel_block_size=kb,
+            q_padded_len=q_pad,
+            kv_padded_len=k_pad,
+            block_lookup=True if impl == "eager" else None,
+            compute_q_blocks=needs_grad,
+        )
+        qp, kp, vp = fm.pad_queries(q), fm.pad_keys(k), fm.pad_keys(v)
+        if impl == "emulated":
+            out, lse = emulate_flex(qp, kp, vp, fm, scale, cfg.emulation_query_chunk)
+        elif impl == "eager":
+            from torch.nn.attention.flex_attention import flex_attention
+
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+                out, lse = _call_flex(flex_attention, qp, kp, vp, fm, scale, cfg.kernel_options)
+        else:
+            out, lse = self._run_compiled(qp, kp, vp, fm, scale)
+        return AttentionOutput(fm.unpad_rows(out), fm.unpad_rows(lse).float())
+
+    def _run_compiled(self, q, k, v, fm: FlexMask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        from torch._dynamo.exc import FailOnRecompileLimitHit
+
+        cfg = self.config
+        fn = _compiled_flex(cfg.dynamic, cfg.compile_mode)
+        limit = max(int(torch._dynamo.config.recompile_limit), cfg.recompile_limit)
+        try:
+            with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
+                return _call_flex(fn, q, k, v, fm, scale, cfg.kernel_options)
+        except FailOnRecompileLimitHit as exc:
+            raise BackendUnavailableError(
+                f"flex executor: the compiled FlexAttention kernel hit the recompile limit ({limit}) at q "
+                f"{tuple(q.shape)}, k {tuple(k.shape)}, {q.dtype}; raise flex.recompile_limit, coarsen "
+                "flex.bucket_steps_per_octave, or run TORCH_LOGS=recompiles to see what changes"
+            ) from exc

@@ -1,0 +1,267 @@
+"""NSA-like sparse attention, training-free: top-n selected blocks + sliding window (+ optional
+compressed keys), scored by parameter-free mean pooling.
+
+Sources: Native Sparse Attention (NSA; Yuan et al., 2025, arXiv 2502.11089) §3.3 for the three
+branches, Eq. 7 (compression windows), Eq. 9 (compressed → selection importance) and Eq. 10
+(group-consistent selection); InfLLM-v2 (Zhao et al., 2025, arXiv 2509.24663) and fla-org's
+``native-sparse-attention`` / XunhaoLai's ``native-sparse-attention-triton`` (``avgpool_compress``)
+for parameter-free mean pooling; defaults from Elastic Attention (arXiv 2601.17367) Table 6 (its
+NSA baseline): block 64, top-k 128, window 512, kernel 32, stride 16; NSA's own 1 initial and 2
+local blocks.
+
+The backbone is frozen, so nothing here is learned. Precisely:
+
+* **Compression.** Compressed key ``m`` is the mean of keys ``[m*stride, m*stride + kernel)``
+  (values likewise, for the optional branch). It is *valid* for the query at position ``p`` iff
+  its window lies entirely at or before the query: ``m*stride + kernel <= p + 1`` (the query's
+  own key may be the window's last one; the rule of fla's ``NC = (i + 1) // BS`` and XunhaoLai's
+  ``q >= m*stride + kernel - 1``). Windows past a sample's ``kv_len`` are never valid.
+* **Importance.** Per query token and query head: ``softmax_m(scale * q . c_m)`` over the valid
+  compressed keys, in float32, ``scale = head_dim ** -0.5`` (``build_layout`` gets no scale); a
+  row with no valid key contributes zeros. Window ``m`` gives each selection block ``n`` its
+  probability times ``overlap(m, n) / stride`` where ``overlap`` counts the tokens the window
+  shares with ``[n*bs, (n+1)*bs)`` — Eq. 9's double sum over stride-sized sub-chunks, aligned as
+  in XunhaoLai's ``transform_score``: a window inside one block gives it ``kernel/stride``
+  times its probability, a window straddling two blocks splits that by overlap.
+* **Group-consistent, tile-granular selection.** Importances are summed over the query heads of
+  a GQA group (NSA Eq. 10; any group size, including 1) and over the real query rows of a layout
+  tile (query block): one selection per (sample, KV head, query block), which is what block
+  kernels run. A tile's selection therefore uses the rows of its own block, so outputs are
+  block-causal, not token-causal (no row sees anything after the end of its block). Only the
+  rows present in the call count: a decode step (one row) selects for that row alone, and a
+  chunked prefill whose first position is not block-aligned scores its first tile with the
+  rows it has (NSA itself selects per query token; a token-granular variant would need an
+  ``O(S^2 / bs)`` token-mask table).
+* **Top-n.** Of the causal key blocks ``j <= T`` of tile ``T``, the ``init_blocks`` first and the
+  ``local_blocks`` last (``T - local_blocks < j <= T``) are always kept and count towards
+  ``top_n``; the remaining budget goes to the other causal blocks in descending importance, ties
+  to the lower block index. Selected blocks are whole blocks (causal inside the diagonal).
+* **Sliding window**, token-exact, OR'ed in: key ``j`` is visible to position ``p`` iff
+  ``p - window < j <= p`` (``window = 0`` disables it).
+* **Compression branch** (``compression_branch: true``): each query also attends to its valid
+  compressed keys (mean-pooled K and V), merged with the selection/window attention by
+  log-sum-exp, i.e. one softmax over the union. NSA mixes its branches with learned sigmoid
+  gates; without training, the LSE merge is the parameter-free choice (gates would be router-side
+  trainable parameters).
+
+Memory: scoring runs over ``score_chunk`` query rows at a time (``chunk x S/stride`` scores per
+head); the layout is ``O((S/bs)^2)`` per KV head; nothing is ``S x S``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from pydantic import Field, model_validator
+
+from elasticfw.attention.layout import BlockLayout, block_grid
+from elasticfw.attention.mode import AttentionMode, AttentionOutput, ModeConfig
+from elasticfw.attention.seq import SeqInfo
+
+
+class NSAConfig(ModeConfig):
+    name: Literal["nsa"] = "nsa"
+    block_size: int = Field(
+        64, ge=16, description="Selection block size, also the layout's block size; paper: 64."
+    )
+    top_n: int = Field(
+        128,
+        ge=1,
+        description="Selected blocks per query block, initial and local blocks included; paper Table 6: 128 "
+        "(native NSA: 16).",
+    )
+    window: int = Field(
+        512,
+        ge=0,
+        description="Sliding window in tokens (key j visible to position p iff p - window < j); 0 disables it.",
+    )
+    compress_kernel: int = Field(
+        32, ge=1, description="Tokens mean-pooled into one compressed key; paper: 32."
+    )
+    compress_stride: int = Field(16, ge=1, description="Stride between compression windows; paper: 16.")
+    init_blocks: int = Field(1, ge=0, description="Leading key blocks every query block keeps (NSA: 1).")
+    local_blocks: int = Field(
+        2, ge=1, description="Most recent key blocks every query block keeps, the diagonal included (NSA: 2)."
+    )
+    compression_branch: bool = Field(
+        False,
+        description="Also attend to the valid mean-pooled compressed keys/values, merged by log-sum-exp "
+        "(NSA's compression branch without its learned gate).",
+    )
+    score_chunk: int = Field(
+        512,
+        ge=1,
+        description="Query rows scored at once (bounds memory at chunk x S/stride scores per head).",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> NSAConfig:
+        if self.compress_kernel % self.compress_stride:
+            raise ValueError(
+                f"compress_kernel={self.compress_kernel} must be a multiple of compress_stride="
+                f"{self.compress_stride} (compression windows are whole stride steps)"
+            )
+        if self.block_size % self.compress_stride:
+            raise ValueError(
+                f"block_size={self.block_size} must be a multiple of compress_stride={self.compress_stride} "
+                "(compressed scores are mapped onto selection blocks stride by stride)"
+            )
+        if self.top_n < self.init_blocks + self.local_blocks:
+            raise ValueError(
+                f"top_n={self.top_n} must be at least init_blocks + local_blocks = "
+                f"{self.init_blocks} + {self.local_blocks} (the always-kept blocks count towards top_n)"
+            )
+        return self
+
+
+def compress_mean(x: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
+    """(B, H, S, D) -> (B, H, M, D): mean of ``x[m*stride : m*stride + kernel]`` for every complete window
+    (``M = (S - kernel) // stride + 1``, 0 when ``S < kernel``), in the input dtype's float32 upcast."""
+    batch, heads, length, dim = x.shape
+    if length < kernel:
+        return x.new_zeros(batch, heads, 0, dim, dtype=torch.float32)
+    return x.float().unfold(2, kernel, stride).mean(-1)
+
+
+def window_valid(seq: SeqInfo, rows: slice, num_windows: int, kernel: int, stride: int) -> torch.Tensor:
+    """(B, R, M) bool: compressed key ``m`` lies at or before the row's position and inside the sample."""
+    pos = seq.query_positions()[:, rows]  # (B, R)
+    limit = torch.minimum(pos + 1, seq.kv_len[:, None])
+    ends = torch.arange(num_windows, device=seq.device) * stride + kernel
+    return ends[None, None, :] <= limit[:, :, None]
+
+
+def chunk_windows(
+    seq: SeqInfo, chunk: int, num_windows: int, kernel: int, stride: int
+) -> list[tuple[slice, int]]:
+    """Query-row chunks and, for each, how many leading compressed keys any of its rows can see
+    (causality bounds the rest; one host sync for all chunks)."""
+    starts = list(range(0, seq.q_len, chunk))
+    if not starts:
+        return []
+    last = torch.tensor([min(seq.q_len, s + chunk) - 1 for s in starts], device=seq.device)
+    limit = torch.minimum(seq.q_start[:, None] + last[None, :] + 1, seq.kv_len[:, None]).amax(0)
+    needed = (torch.div(limit - kernel, stride, rounding_mode="floor") + 1).clamp(0, num_windows)
+    return [(slice(s, min(seq.q_len, s + chunk)), int(n)) for s, n in zip(starts, needed.tolist())]
+
+
+class NSAAttention(AttentionMode):
+    """Training-free NSA: group-consistent top-n block selection + sliding window (+ compressed keys)."""
+
+    name = "nsa"
+    config_class = NSAConfig
+    config: NSAConfig
+
+    # -- selection ------------------------------------------------------------------------
+    def block_importance(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
+        """(B, Hkv, NQB, NKB) float32: compressed-attention importance of every key block for every
+        layout tile, summed over the group's query heads and the tile's real rows."""
+        cfg = self.config
+        bs, kernel, stride = cfg.block_size, cfg.compress_kernel, cfg.compress_stride
+        batch, hq, sq, dim = q.shape
+        hkv = k.shape[1]
+        group = hq // hkv
+        nqb, nkb = seq.num_query_blocks(bs), seq.num_key_blocks(bs)
+        ck = compress_mean(k, kernel, stride)  # (B, Hkv, M, D)
+        num_windows = ck.shape[2]
+        per_kernel = kernel // stride
+        chunks = nkb * (bs // stride)  # stride-sized sub-chunks of the key blocks
+        importance = torch.zeros(batch, hkv, nqb, nkb, dtype=torch.float32, device=q.device)
+        if num_windows == 0 or sq == 0:
+            return importance
+        scale = dim**-0.5
+        tiles = torch.div(seq.query_positions(), bs, rounding_mode="floor") - seq.q_block_start(bs)[:, None]
+        real = seq.query_valid()
+        for rows, seen in chunk_windows(seq, cfg.score_chunk, num_windows, kernel, stride):
+            if seen == 0:
+                continue
+            nrows = rows.stop - rows.start
+            qc = q[:, :, rows].float().reshape(batch, hkv, group, nrows, dim)
+            scores = torch.einsum("bhgrd,bhmd->bhgrm", qc, ck[:, :, :seen]) * scale
+            valid = window_valid(seq, rows, seen, kernel, stride)[:, None, None]  # (B,1,1,R,M')
+            scores = scores.masked_fill(~valid, -math.inf)
+            probs = torch.softmax(scores, dim=-1)
+            usable = valid.any(-1, keepdim=True) & real[:, None, None, rows, None]
+            probs = torch.where(usable, probs, torch.zeros_like(probs)).sum(2)  # (B, Hkv, R, M')
+            # window m covers sub-chunks m .. m + kernel/stride - 1: weight overlap / stride per block
+            padded = torch.nn.functional.pad(probs, (per_kernel - 1, chunks - seen))
+            cover = sum(
+                padded[..., per_kernel - 1 - a : per_kernel - 1 - a + chunks] for a in range(per_kernel)
+            )
+            per_block = cover.reshape(batch, hkv, nrows, nkb, bs // stride).sum(-1)  # (B, Hkv, R, NKB)
+            idx = tiles[:, None, rows, None].clamp(0, max(nqb - 1, 0)).expand(batch, hkv, nrows, nkb)
+            importance.scatter_add_(2, idx, per_block)
+        return importance
+
+    def select_blocks(self, importance: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
+        """(B, Hkv, NQB, NKB) bool: initial + local blocks, then the most important causal blocks up to top_n."""
+        cfg = self.config
+        q_blocks, k_blocks = block_grid(seq, cfg.block_size)  # (B,NQB,1), (1,1,NKB)
+        causal = (k_blocks <= q_blocks)[:, None]
+        forced = causal & ((k_blocks < cfg.init_blocks) | (k_blocks > q_blocks - cfg.local_blocks))[:, None]
+        candidate = causal & ~forced
+        budget = cfg.top_n - forced.sum(-1, keepdim=True)  # >= 0 by the config check
+        score = importance.masked_fill(~candidate, -math.inf)
+        order = torch.sort(score, dim=-1, descending=True, stable=True).indices  # ties: lower block first
+        ranks = torch.empty_like(order)
+        ar = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+        ranks.scatter_(-1, order, ar)
+        return forced | (candidate & (ranks < budget))
+
+    def build_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> BlockLayout:
+        seq.check(q, k)
+        cfg = self.config
+        bs, window = cfg.block_size, cfg.window
+        selected = self.select_blocks(self.block_importance(q, k, seq), seq)  # (B, Hkv, NQB, NKB)
+        if window == 0:
+            return BlockLayout(selected, bs)
+        q_blocks, k_blocks = block_grid(seq, bs)
+        causal = k_blocks <= q_blocks
+        # the tile's first position sees the block's last key / its last position sees the first key
+        reach = ((k_blocks * bs + bs - 1) > q_blocks * bs - window) & causal
+        inside = (k_blocks * bs) > (q_blocks * bs + bs - 1 - window)
+        blocks = selected | reach[:, None]
+        partial = blocks & ~selected & ~inside[:, None]
+        q_block_start = seq.q_block_start(bs)
+        _, heads, nqb, nkb = selected.shape
+
+        def token_mask(b, h, q_pos, kv_pos):  # type: ignore[no-untyped-def]
+            t = (torch.div(q_pos, bs, rounding_mode="floor") - q_block_start[b]).clamp(0, nqb - 1)
+            j = torch.div(kv_pos, bs, rounding_mode="floor").clamp(0, nkb - 1)
+            return (kv_pos > q_pos - window) | selected[b, h.clamp(0, heads - 1), t, j]
+
+        return BlockLayout(blocks, bs, token_mask, partial)
+
+    # -- compression branch -----------------------------------------------------------------
+    def side_branch(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SeqInfo, *, scale: float
+    ) -> AttentionOutput | None:
+        """Attention of every query over its valid mean-pooled compressed keys/values (float32)."""
+        cfg = self.config
+        if not cfg.compression_branch:
+            return None
+        kernel, stride = cfg.compress_kernel, cfg.compress_stride
+        batch, hq, sq, dim = q.shape
+        group = hq // k.shape[1]
+        ck = compress_mean(k, kernel, stride).repeat_interleave(group, dim=1)  # (B, Hq, M, D)
+        cv = compress_mean(v, kernel, stride).repeat_interleave(group, dim=1)
+        num_windows = ck.shape[2]
+        if num_windows == 0 or sq == 0:
+            out = q.new_zeros(batch, hq, sq, v.shape[-1])
+            return AttentionOutput(out, torch.full((batch, hq, sq), -math.inf, device=q.device))
+        outs, lses = [], []
+        for rows, seen in chunk_windows(seq, cfg.score_chunk, num_windows, kernel, stride):
+            seen = max(seen, 1)  # keep one (masked) column so that every chunk has the same layout
+            valid = window_valid(seq, rows, seen, kernel, stride)[:, None]  # (B, 1, R, M')
+            has_any = valid.any(-1)  # (B, 1, R)
+            scores = torch.matmul(q[:, :, rows].float(), ck[:, :, :seen].transpose(-1, -2)) * scale
+            # rows without a valid key get finite dummy scores so that no NaN reaches the gradients
+            scores = torch.where(valid, scores, torch.full_like(scores, -math.inf))
+            scores = torch.where(has_any[..., None], scores, torch.zeros_like(scores))
+            lse = torch.logsumexp(scores, dim=-1)
+            probs = torch.where(valid, torch.exp(scores - lse[..., None]), torch.zeros_like(scores))
+            outs.append(torch.matmul(probs, cv[:, :, :seen]))
+            lses.append(torch.where(has_any, lse, torch.full_like(lse, -math.inf)))
+        return AttentionOutput(torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2))

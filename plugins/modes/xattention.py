@@ -1,0 +1,288 @@
+"""XAttention: block-sparse attention with antidiagonal scoring (XA).
+
+Sources: XAttention (Xu et al., 2025, arXiv 2503.16428; mit-han-lab/x-attention, ``xattn_estimate``
+and ``find_blocks_chunked``, select mode "inverse"); defaults from Elastic Attention
+(arXiv 2601.17367) Table 6: stride 16, threshold 0.9, block 64, chunk 16384, selection "inverse".
+The method below is the reference; upstream's chunking quirks (only the diagonal forced in the
+first chunk, earlier chunks masked when the keys need no padding) are deliberately not copied.
+
+**Estimate** (all in float32, whatever the input dtype). Lay the queries of each sample on the
+position grid (row ``r`` of the grid is position ``r``; grid rows that hold no real query of the
+sample are zero vectors) and the keys start-aligned (keys ``>= kv_len`` are zero vectors). For
+stride ``S`` the antidiagonal score of the ``S x S`` tile (strided query row ``m``, strided key
+``n``) is::
+
+    A[m, n] = sum_{i=0}^{S-1} q[m*S + i] . k[n*S + S-1-i]
+
+computed as one matmul between queries concatenated ``S`` at a time in reverse order and keys
+concatenated ``S`` at a time. Scores are scaled by ``1 / (sqrt(d) * S)``, masked causally at
+strided granularity (keep ``n <= m``), soft-maxed over ``n`` and summed into
+``(block/S) x (block/S)`` groups: ``mass[M, N]`` is the probability that the strided rows of
+position block ``M`` put on key block ``N``. A strided row contributes only if it holds at least
+one real query of the sample; its other (absent) query positions are zero vectors. So an
+unaligned first block of a chunked prefill and a single decode query are estimated from the
+real query rows present, and padding (keys past ``kv_len``, rows past the sample's end) never
+reaches a real row's estimate. The strided diagonal tile may read keys later in the same
+``S``-tile (hence the same block): the estimate is causal at block granularity, not per token.
+
+**Selection** per (sample, head, query block ``M``), among causal key blocks ``N <= M``: key
+block 0 and the diagonal block ``M`` are always kept; the other causal blocks are visited in
+descending mass (ties: lower block index first) and block ``c_j`` is kept iff
+``forced_mass + sum_{i<j} mass(c_i) < threshold * row_total``, i.e. blocks are added while the
+cumulative mass is still below the target, *and the block that crosses it is included*
+(upstream's rule). ``row_total`` is the row's summed mass (its number of real strided rows).
+``threshold >= 1`` keeps every causal block explicitly, so rounding in cumulative sums can
+never drop a block in the dense limit; that layout is marked ``dense_causal``.
+
+**Heads.** Routing in Elastic Attention is per KV head, but XAttention selects per query head
+(upstream repeats K/V). ``head_aggregation: query`` (default) returns one layout per query head
+(``Hq`` heads); the query heads of a KV group then share the routing decision but not the block
+pattern. ``kv_group`` sums the masses of a group's query heads before selecting and returns one
+layout per KV head (``Hkv`` heads), shared by the group (a single pattern per routing unit).
+
+**Memory.** The estimate is chunked over ``chunk_size`` query positions (``C = chunk_size``,
+``Sk'`` = key capacity rounded up to a block, ``NQB``/``NKB`` layout rows/columns). Beyond the
+inputs, peak bytes are about::
+
+    4*B*Hkv*Sk'*d                      float32 key copy (padding zeroed)
+  + 4*B*Hq*(C/S)*(Sk'/S)               one float32 score tile per chunk, soft-maxed in place
+  + 8*B*Hq*C*d                         the chunk's gathered and tile-reversed queries
+  + ~30*B*Hq*(C/bs)*NKB                mass, sort values and indices of the chunk's rows
+  + B*H*NQB*NKB                        the bool layout
+
+e.g. 128K tokens, B=1, Hq=32, Hkv=8, d=128, S=16, bs=64, C=16384: 0.5 GiB keys + 1 GiB scores
++ 0.5 GiB queries + 0.5 GiB selection + 0.125 GiB layout (about 2.6 GiB; halve C to halve the
+chunk terms). Keys are trimmed per chunk to the chunk's last causal block, so early chunks
+cost less. The result does not depend on ``chunk_size``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+from pydantic import Field, field_validator, model_validator
+
+from elasticfw.attention.layout import BlockLayout, causal_layout
+from elasticfw.attention.mode import AttentionMode, ModeConfig
+from elasticfw.attention.seq import SeqInfo
+
+
+class XAttentionConfig(ModeConfig):
+    name: Literal["xattention"] = "xattention"
+    block_size: int = Field(
+        64, ge=16, description="Block size of the layout and of the selection; paper: 64."
+    )
+    stride: int = Field(
+        16,
+        ge=1,
+        description="Antidiagonal stride S: each S x S tile of QK^T is scored by its antidiagonal sum.",
+    )
+    threshold: float = Field(
+        0.9,
+        description="Fraction tau of each query block's estimated attention mass the kept blocks must cover, "
+        "in (0, 1]; 1.0 keeps every causal block.",
+    )
+    head_aggregation: Literal["query", "kv_group"] = Field(
+        "query",
+        description="`query`: select per query head (upstream; Hq-head layout); `kv_group`: sum the masses of a "
+        "KV group's query heads and select once per KV head (Hkv-head layout).",
+    )
+    chunk_size: int = Field(
+        16384,
+        ge=1,
+        description="Query positions estimated at once (a multiple of block_size); bounds memory, never changes "
+        "the result. Paper: 16384.",
+    )
+
+    @field_validator("threshold")
+    @classmethod
+    def _threshold_range(cls, value: float) -> float:
+        if not (0.0 < value <= 1.0) or math.isnan(value):
+            raise ValueError(
+                f"threshold must be in (0, 1] (fraction of attention mass the kept blocks cover; 1.0 keeps "
+                f"every causal block), got {value}"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _divisibility(self) -> XAttentionConfig:
+        if self.block_size % self.stride:
+            raise ValueError(
+                f"block_size={self.block_size} must be a multiple of stride={self.stride}: the (block/stride)^2 "
+                "antidiagonal groups of a block must tile it exactly"
+            )
+        if self.chunk_size % self.block_size:
+            raise ValueError(
+                f"chunk_size={self.chunk_size} must be a multiple of block_size={self.block_size} "
+                "(the estimate is chunked over whole query blocks)"
+            )
+        return self
+
+
+# ---------------------------------------------------------------------------------------
+# Estimation
+# ---------------------------------------------------------------------------------------
+
+
+def antidiagonal_scores(q: torch.Tensor, k: torch.Tensor, stride: int) -> torch.Tensor:
+    """Raw antidiagonal sums ``A[m, n] = sum_i q[m*S + i] . k[n*S + S-1-i]`` in float32.
+
+    ``q`` (B, Hq, Rq, D) and ``k`` (B, Hkv, Rk, D) with ``Rq``, ``Rk`` multiples of ``stride`` and
+    ``Hq`` a multiple of ``Hkv`` (query head ``h`` reads KV head ``h // (Hq // Hkv)``); returns
+    (B, Hq, Rq/S, Rk/S). One matmul: queries reversed within each stride tile and concatenated,
+    keys concatenated, so the concatenated dot product walks the tile's antidiagonal.
+    """
+    batch, hq, rq, dim = q.shape
+    hkv, rk = k.shape[1], k.shape[2]
+    if rq % stride or rk % stride:
+        raise ValueError(f"antidiagonal_scores: lengths {rq}, {rk} must be multiples of stride {stride}")
+    group = hq // hkv
+    qr = q.float().reshape(batch, hq, rq // stride, stride, dim).flip(3)
+    qr = qr.reshape(batch, hkv, group * (rq // stride), stride * dim)
+    kr = k.float().reshape(batch, hkv, rk // stride, stride * dim)
+    return torch.matmul(qr, kr.transpose(-1, -2)).view(batch, hq, rq // stride, rk // stride)
+
+
+def _keys_on_grid(k: torch.Tensor, seq: SeqInfo, block_size: int) -> torch.Tensor:
+    """float32 keys padded to whole blocks, zero past each sample's ``kv_len``."""
+    cap = seq.num_key_blocks(block_size) * block_size
+    kf = torch.nn.functional.pad(k.float(), (0, 0, 0, cap - k.shape[2]))
+    valid = torch.arange(cap, device=k.device)[None, :] < seq.kv_len[:, None]
+    return torch.where(valid[:, None, :, None], kf, torch.zeros((), device=k.device))
+
+
+def iter_block_mass(
+    q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, *, block_size: int, stride: int, chunk_size: int
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Yield ``(t0, t1, mass)`` for layout rows ``[t0, t1)``: mass (B, Hq, t1-t0, NKB) float32.
+
+    ``mass[b, h, t, N]`` is the estimated attention probability the real strided rows of
+    position block ``seq.q_block_start(bs)[b] + t`` put on key block ``N`` (module docstring).
+    """
+    seq.check(q, k)
+    bs, s = block_size, stride
+    if bs % s:
+        raise ValueError(f"block_size={bs} must be a multiple of stride={s}")
+    batch, hq, _, dim = q.shape
+    nqb, nkb = seq.num_query_blocks(bs), seq.num_key_blocks(bs)
+    rows_per_chunk = max(1, chunk_size // bs)
+    keys = _keys_on_grid(k, seq, bs)
+    qbs = seq.q_block_start(bs)  # (B,)
+    scale = 1.0 / (math.sqrt(dim) * s)
+    dev = q.device
+    for t0 in range(0, nqb, rows_per_chunk):
+        t1 = min(nqb, t0 + rows_per_chunk)
+        n_rows = (t1 - t0) * bs
+        # absolute positions of the chunk's grid rows, per sample
+        pos = (qbs[:, None] + t0) * bs + torch.arange(n_rows, device=dev)[None, :]  # (B, R)
+        idx = pos - seq.q_start[:, None]
+        valid = (idx >= 0) & (idx < seq.q_len) & (pos < seq.kv_len[:, None])
+        if seq.q_len:
+            gather = idx.clamp(0, seq.q_len - 1)[:, None, :, None].expand(batch, hq, n_rows, dim)
+            qc = torch.where(
+                valid[:, None, :, None], torch.gather(q, 2, gather).float(), torch.zeros((), device=dev)
+            )
+        else:
+            qc = torch.zeros(batch, hq, n_rows, dim, device=dev)
+        # keys beyond the chunk's last causal block are never needed
+        kb_end = int(min(nkb, int((qbs + t1).max().item()))) if batch else 0
+        kb_end = max(kb_end, 1)
+        scores = antidiagonal_scores(qc, keys[:, :, : kb_end * bs], s)  # (B, Hq, R/S, K/S)
+        scores.mul_(scale)
+        m_abs = pos[:, ::s] // s  # (B, R/S) strided row index
+        n_idx = torch.arange(kb_end * bs // s, device=dev)
+        future = n_idx[None, None, :] > m_abs[:, :, None]  # (B, R/S, K/S)
+        scores.masked_fill_(future[:, None], -math.inf)
+        # in-place softmax over strided keys (n = 0 is never masked, so no row is empty)
+        scores.sub_(scores.amax(-1, keepdim=True)).exp_()
+        scores.div_(scores.sum(-1, keepdim=True))
+        row_real = valid.view(batch, n_rows // s, s).any(-1)  # (B, R/S)
+        scores.mul_(row_real[:, None, :, None])
+        g = bs // s
+        mass = scores.view(batch, hq, t1 - t0, g, kb_end, g).sum(dim=(3, 5))
+        del scores
+        if kb_end < nkb:
+            mass = torch.nn.functional.pad(mass, (0, nkb - kb_end))
+        yield t0, t1, mass
+
+
+def block_mass(
+    q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, *, block_size: int, stride: int, chunk_size: int = 16384
+) -> torch.Tensor:
+    """(B, Hq, NQB, NKB) float32 estimated mass of every layout row (analysis and tests)."""
+    parts = [
+        m
+        for _, _, m in iter_block_mass(q, k, seq, block_size=block_size, stride=stride, chunk_size=chunk_size)
+    ]
+    if not parts:
+        return q.new_zeros(q.shape[0], q.shape[1], 0, seq.num_key_blocks(block_size), dtype=torch.float32)
+    return torch.cat(parts, dim=2)
+
+
+# ---------------------------------------------------------------------------------------
+# Selection
+# ---------------------------------------------------------------------------------------
+
+
+def select_blocks(mass: torch.Tensor, row_block: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Threshold selection: bool like ``mass`` (B, H, T, NKB); ``row_block`` (B, T) absolute position block.
+
+    Keeps key block 0 and the diagonal, then the other causal blocks in descending mass (stable:
+    lower index first on ties) while the cumulative kept mass *before* adding a block is below
+    ``threshold * row_total`` (the crossing block is kept). ``threshold >= 1`` keeps every causal
+    block.
+    """
+    nkb = mass.shape[-1]
+    kb = torch.arange(nkb, device=mass.device)
+    diag = row_block[:, None, :, None]
+    causal = kb <= diag  # (B, 1, T, NKB)
+    if threshold >= 1.0:
+        return causal.expand(mass.shape).clone()
+    forced = causal & ((kb == 0) | (kb == diag))
+    mass = torch.where(causal, mass, torch.zeros((), device=mass.device))
+    total = mass.sum(-1, keepdim=True)
+    forced_mass = torch.where(forced, mass, torch.zeros((), device=mass.device)).sum(-1, keepdim=True)
+    candidate = (causal & ~forced).expand(mass.shape)
+    # probabilities are >= 0, so -1 sorts non-candidates last
+    values = torch.where(candidate, mass, torch.full((), -1.0, device=mass.device))
+    sorted_values, order = torch.sort(values, dim=-1, descending=True, stable=True)
+    sorted_candidate = candidate.gather(-1, order)
+    contrib = torch.where(sorted_candidate, sorted_values, torch.zeros((), device=mass.device))
+    before = torch.cat([forced_mass, contrib[..., :-1]], dim=-1).cumsum(-1)
+    take = sorted_candidate & (before < threshold * total)
+    chosen = torch.zeros_like(take).scatter_(-1, order, take)
+    return chosen | forced
+
+
+class XAttention(AttentionMode):
+    """Block-sparse attention whose blocks are chosen by antidiagonal scoring (XAttention, "inverse")."""
+
+    name = "xattention"
+    config_class = XAttentionConfig
+    config: XAttentionConfig
+
+    def build_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> BlockLayout:
+        cfg = self.config
+        bs = cfg.block_size
+        seq.check(q, k)
+        if cfg.threshold >= 1.0:
+            return causal_layout(seq, bs)
+        batch, hq = q.shape[:2]
+        hkv = k.shape[1]
+        group = hq // hkv
+        by_group = cfg.head_aggregation == "kv_group"
+        heads = hkv if by_group else hq
+        nqb, nkb = seq.num_query_blocks(bs), seq.num_key_blocks(bs)
+        blocks = torch.zeros(batch, heads, nqb, nkb, dtype=torch.bool, device=q.device)
+        qbs = seq.q_block_start(bs)
+        for t0, t1, mass in iter_block_mass(
+            q, k, seq, block_size=bs, stride=cfg.stride, chunk_size=cfg.chunk_size
+        ):
+            if by_group:
+                mass = mass.view(batch, hkv, group, t1 - t0, nkb).sum(2)
+            row_block = qbs[:, None] + torch.arange(t0, t1, device=q.device)[None, :]
+            blocks[:, :, t0:t1] = select_blocks(mass, row_block, cfg.threshold)
+        return BlockLayout(blocks, bs)

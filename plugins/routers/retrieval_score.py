@@ -1,0 +1,136 @@
+"""Retrieval-score router: training-free, input-independent ranking of KV heads.
+
+Elastic Attention §2.2 and App. C (after Retrieval Head, Wu et al. 2024, arXiv 2404.15574):
+on needle-in-a-haystack probes, the retrieval score of a head is the attention mass the last
+token puts on the needle tokens (Eq. 9), averaged over probes. Heads are ranked over the
+whole model and the top ``floor((1 - target_msr) * L * H)`` keep the retrieval mode (FA); the
+rest go sparse. Scores are measured under full attention (every head on the retrieval mode
+while probing) and per query head, then aggregated over each KV head's query group.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+from pydantic import Field, ValidationInfo, field_validator
+
+from elasticfw.attention.seq import SeqInfo
+from elasticfw.errors import ElasticError, RecipeError
+from elasticfw.routing.base import HeadLayout, Router, RouterConfig, RouterDecision
+
+
+class RetrievalScoreConfig(RouterConfig):
+    name: Literal["retrieval_score"] = "retrieval_score"
+    target_msr: float = Field(0.5, ge=0.0, le=1.0, description="Fraction of (layer, KV head) pairs sent sparse.")
+    probe_task: dict[str, Any] = Field(
+        default_factory=lambda: {"name": "passkey", "context_tokens": 1000, "num_samples": 6},
+        description="Task whose samples (with needle spans) serve as probes; validated by the task plugin.",
+    )
+    aggregate: Literal["mean", "max"] = Field("mean", description="Query heads -> KV head aggregation.")
+
+    @field_validator("probe_task")
+    @classmethod
+    def _task(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        from elasticfw.registry import get_registry
+
+        registry = (info.context or {}).get("registry") or get_registry()
+        name = value.get("name")
+        entry = registry.entry("task", name)  # unknown name: UnknownPluginError with suggestions
+        try:
+            entry.config_class.model_validate(value)  # type: ignore[union-attr]
+        except ValueError as exc:
+            raise ValueError(f"probe_task is not a valid {name!r} task: {exc}") from None
+        return value
+
+
+class RetrievalScoreRouter(Router):
+    """Keep the heads with the highest needle-retrieval scores on the retrieval mode."""
+
+    name = "retrieval_score"
+    config_class = RetrievalScoreConfig
+    config: RetrievalScoreConfig
+
+    def __init__(self, config: RetrievalScoreConfig, heads: HeadLayout) -> None:
+        super().__init__(config, heads)
+        self.register_buffer("table", torch.zeros(heads.num_routed, heads.num_kv_heads), persistent=False)
+        self.scores: torch.Tensor | None = None  # (L_routed, Hkv)
+        self._probing = False
+
+    def decide(self, layer: int, keys: torch.Tensor, seq: SeqInfo) -> RouterDecision:
+        if self.scores is None and not self._probing:
+            raise ElasticError("retrieval_score router used before calibration: call router.prepare(elastic, tokenizer)")
+        table = torch.zeros_like(self.table) if self._probing else self.table
+        sparse = table[layer].to(keys.device)[None, :].expand(keys.shape[0], -1)
+        return RouterDecision(sparse=sparse, prob_sparse=sparse)
+
+    # -- calibration -----------------------------------------------------------------------------
+    def prepare(self, elastic: Any, tokenizer: Any, *, seed: int = 0) -> None:
+        if self.scores is not None:
+            return
+        from elasticfw.registry import get_registry
+
+        registry = get_registry()
+        task_cfg = registry.entry("task", self.config.probe_task["name"]).config_class.model_validate(  # type: ignore[union-attr]
+            self.config.probe_task
+        )
+        task = registry.make("task", task_cfg)
+        probes = [s for s in task.samples(tokenizer, seed=seed + 1) if s.needle_span is not None]
+        if not probes:
+            raise RecipeError(f"elastic.router.probe_task {task.name!r} produced no samples with a needle span")
+        self.set_scores(self.measure(elastic, probes))
+
+    @torch.no_grad()
+    def measure(self, elastic: Any, probes: list[Any]) -> torch.Tensor:
+        """(L_routed, Hq) mean needle attention mass of the last token, over probes."""
+        heads = self.heads
+        routed = {layer: i for i, layer in enumerate(heads.routed_layers)}
+        total = torch.zeros(heads.num_routed, heads.num_q_heads, dtype=torch.float64)
+        span: tuple[int, int] = (0, 0)
+
+        def observe(layer_idx: int, can: Any, scale: float) -> None:
+            if layer_idx not in routed or not can.first_chunk:
+                return
+            q, k = can.q, can.k
+            last = int(can.seq.kv_len[0]) - 1 - int(can.seq.q_start[0])
+            group = q.shape[1] // k.shape[1]
+            n = int(can.seq.kv_len[0])
+            scores = torch.einsum("hd,hkd->hk", q[0, :, last].float(), k[0, :, :n].float().repeat_interleave(group, 0))
+            probs = torch.softmax(scores * scale, dim=-1)
+            total[routed[layer_idx]] += probs[:, span[0] : span[1]].sum(-1).double().cpu()
+
+        device = next(elastic.base.parameters()).device
+        elastic.runtime.observers.append(observe)
+        self._probing = True
+        try:
+            for sample in probes:
+                span = sample.needle_span
+                elastic(input_ids=torch.tensor([sample.input_ids], device=device))
+        finally:
+            self._probing = False
+            elastic.runtime.observers.remove(observe)
+        return (total / len(probes)).float()
+
+    def set_scores(self, per_query_head: torch.Tensor) -> None:
+        """Rank heads from (L_routed, Hq) scores and fix the assignment."""
+        heads = self.heads
+        group = heads.num_q_heads // heads.num_kv_heads
+        grouped = per_query_head.view(heads.num_routed, heads.num_kv_heads, group)
+        scores = grouped.mean(-1) if self.config.aggregate == "mean" else grouped.amax(-1)
+        keep = math.floor((1.0 - self.config.target_msr) * scores.numel() + 1e-9)
+        order = torch.argsort(scores.flatten(), descending=True, stable=True)
+        table = torch.ones(scores.numel())
+        table[order[:keep]] = 0.0
+        self.table.copy_(table.view_as(scores))
+        self.scores = scores
+
+    def extra_state(self) -> dict:
+        return {} if self.scores is None else {"scores": self.scores.tolist()}
+
+    def load_extra_state(self, state: dict) -> None:
+        if "scores" in state:
+            scores = torch.tensor(state["scores"], dtype=torch.float32)
+            group = self.heads.num_q_heads // self.heads.num_kv_heads
+            # stored per KV head: expand so set_scores' aggregation returns them unchanged
+            self.set_scores(scores.repeat_interleave(group, dim=1))

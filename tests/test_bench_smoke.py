@@ -1,0 +1,72 @@
+"""CPU smoke run of the attention benchmark (the real run is on a GPU; see elasticfw/bench/attention.py)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from elasticfw.attention.layout import causal_layout
+from elasticfw.bench import attention as bench
+from elasticfw.registry import get_registry
+from elasticfw.testing.modes import make_mode
+
+TINY = ["--device", "cpu", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "16", "--dtype", "fp32"]
+FAST = ["--cpu-warmup", "0", "--cpu-iters", "1"]
+
+
+def test_bench_runs_every_registered_mode_on_cpu(tmp_path):
+    out = tmp_path / "bench.json"
+    args = [*TINY, *FAST, "--seq", "128", "--check-seq", "160", "--layout-memory", "256", "--out", str(out)]
+    rc = bench.main(args)
+    data = json.loads(out.read_text())
+    assert rc == 0, data["failures"]
+    env = data["environment"]
+    for key in ("date", "git_commit", "torch", "triton", "transformers", "gpu"):
+        assert key in env
+    names = {(r["name"], r["kind"]) for r in data["results"]}
+    assert ("sdpa_math", "fwd") in names and ("sdpa_math", "fwd_bwd") in names
+    for mode in get_registry().names("sparse_mode"):
+        for entry in (
+            (f"layout:{mode}", "layout"),
+            (f"convert:{mode}", "convert"),
+            (f"flex:{mode}", "fwd"),
+            (f"flex:{mode}", "fwd_bwd"),
+            (f"check:{mode}:decode", "check"),
+            (f"layout_memory:{mode}", "memory"),
+        ):
+            assert entry in names, entry
+    timed = [r for r in data["results"] if r["kind"] == "fwd" and r["name"].startswith("flex:")]
+    assert all(r["ms"] > 0 and r["ratio_vs_sdpa_math"] > 0 for r in timed)
+    assert any(r["name"].startswith("flex:hybrid(") for r in timed)
+
+
+def test_a_failing_mode_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    class Broken:
+        name = "broken"
+
+        def build_layout(self, q, k, seq):
+            raise RuntimeError("boom")
+
+    streaming = make_mode("streaming", {"block_size": 16, "sink_tokens": 16, "local_tokens": 32})
+    monkeypatch.setattr(bench, "_modes", lambda args: [Broken(), streaming])
+    out = tmp_path / "bench.json"
+    rc = bench.main([*TINY, *FAST, "--seq", "64", "--check-seq", "0", "--no-backward", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert rc == 1
+    rows = {(r["name"], r["kind"]): r for r in data["results"]}
+    assert rows[("layout:broken", "layout")]["error"] == "RuntimeError: boom"
+    assert rows[("flex:streaming", "fwd")]["error"] is None and rows[("flex:streaming", "fwd")]["ms"] > 0
+    assert any("boom" in line for line in data["failures"])
+
+
+def test_hybrid_layout_keeps_the_first_kv_heads_full():
+    from elasticfw.attention.seq import SeqInfo
+
+    seq = SeqInfo.dense(1, 64, 64)
+    streaming = make_mode("streaming", {"block_size": 16, "sink_tokens": 16, "local_tokens": 16})
+    sparse = streaming.build_layout(torch.empty(0), torch.empty(0), seq)
+    hybrid = bench._hybrid(sparse, seq, hq=8, hkv=4, msr=0.75)
+    causal = causal_layout(seq, 16).blocks[0, 0]
+    assert torch.equal(hybrid.blocks[0, 0], causal) and torch.equal(hybrid.blocks[0, 1], causal)
+    assert not torch.equal(hybrid.blocks[0, 2], causal)
