@@ -49,7 +49,7 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     """sqrt(mean((a-b)^2)) / sqrt(mean(b^2)) in float64 (fla's comparison)."""
     a64, b64 = a.double(), b.double()
     denom = b64.pow(2).mean().sqrt().clamp_min(1e-12)
-    return float((a64 - b64).pow(2).mean().sqrt() / denom)
+    return float(((a64 - b64).pow(2).mean().sqrt() / denom).detach())
 
 
 def make_inputs(

@@ -1,0 +1,135 @@
+"""The documentation is checked against the code.
+
+* The generated reference pages (docs/reference/plugins.md, recipe-schema.md) equal what
+  docs/generate_reference.py produces now: regenerate them when this fails.
+* The fenced ```python test blocks of the quickstart run, in order, as one script.
+* The recipes of the recipe how-to (```yaml file=NAME blocks) validate.
+* The contributor tutorial's example plugin (docs/examples/elasticfw-example-mode) is installed
+  as a distribution (no network, no build: its package and a dist-info with its entry points,
+  laid out by tests/foundation_helpers.py), listed by `elasticfw plugins`, and passes its own
+  conformance tests, run by pytest in a subprocess.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from foundation_helpers import make_distribution
+
+from elasticfw.recipe import load_recipe
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+EXAMPLE = DOCS / "examples" / "elasticfw-example-mode"
+FENCE = re.compile(r"^```(?P<info>[^\n`]*)\n(?P<body>.*?)^```[ \t]*$", re.S | re.M)
+
+
+def fenced_blocks(path: Path, info: str) -> list[str]:
+    """Bodies of the fenced blocks of ``path`` whose info string matches the regex ``info``."""
+    text = path.read_text(encoding="utf-8")
+    return [m.group("body") for m in FENCE.finditer(text) if re.fullmatch(info, m.group("info").strip())]
+
+
+def run(args: list[str], *, cwd: Path, pythonpath: Path | None = None, timeout: int = 180):
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pythonpath), env.get("PYTHONPATH", "")) if p)
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+# -- generated reference -------------------------------------------------------------------------
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("generate_reference", DOCS / "generate_reference.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_reference_pages_are_up_to_date() -> None:
+    stale = []
+    for path, expected in _generator().render().items():
+        current = path.read_text(encoding="utf-8") if path.exists() else ""
+        if current != expected:
+            diff = difflib.unified_diff(current.splitlines(), expected.splitlines(), "committed", "generated", lineterm="")
+            stale.append(f"{path.relative_to(ROOT)}:\n" + "\n".join(list(diff)[:30]))
+    assert not stale, "reference pages are out of date; run `python docs/generate_reference.py`\n" + "\n".join(stale)
+
+
+# -- tutorials and how-to snippets ----------------------------------------------------------------
+
+
+def test_quickstart_blocks_run(tmp_path: Path) -> None:
+    blocks = fenced_blocks(DOCS / "tutorials" / "quickstart.md", r"python test")
+    assert len(blocks) >= 4, "the quickstart's runnable blocks (```python test) are missing"
+    script = tmp_path / "quickstart.py"
+    script.write_text("\n\n".join(blocks), encoding="utf-8")
+    result = run([sys.executable, str(script)], cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_recipe_howto_recipes_validate(tmp_path: Path) -> None:
+    files = []
+    for m in FENCE.finditer((DOCS / "how-to" / "write-a-recipe.md").read_text(encoding="utf-8")):
+        named = re.fullmatch(r"yaml file=(\S+)", m.group("info").strip())
+        if named:
+            path = tmp_path / named.group(1)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(m.group("body"), encoding="utf-8")
+            files.append(path)
+    assert len(files) >= 3, "the recipe how-to's recipes (```yaml file=NAME) are missing"
+    for path in files:
+        load_recipe(path)
+
+
+# -- the contributor tutorial's example plugin --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def example_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The example package as an installed distribution: put the returned folder on PYTHONPATH."""
+    project = tomllib.loads((EXAMPLE / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    entry_points = project["entry-points"]["elasticfw"]
+    package_dir = EXAMPLE / "src" / "elasticfw_example_mode"
+    modules = sorted(p.name for p in package_dir.glob("*.py"))
+    assert modules == ["__init__.py"], f"the example package must stay one module, found {modules}"
+    source = (package_dir / "__init__.py").read_text(encoding="utf-8")
+    return make_distribution(
+        tmp_path_factory.mktemp("site"), package_dir.name, project["name"], source, entry_points
+    )
+
+
+def test_example_plugin_is_listed(example_site: Path, tmp_path: Path) -> None:
+    script = Path(sys.executable).parent / "elasticfw"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "elasticfw.cli"]
+    result = run([*command, "plugins", "--kind", "sparse_mode"], cwd=tmp_path, pythonpath=example_site)
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line for line in result.stdout.splitlines() if " from " in line}
+    assert "strided" in rows, result.stdout
+    assert "from elasticfw-example-mode" in rows["strided"], rows["strided"]
+
+
+def test_example_plugin_passes_its_conformance_tests(example_site: Path, tmp_path: Path) -> None:
+    work = tmp_path / "elasticfw-example-mode"
+    shutil.copytree(EXAMPLE, work, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "build", ".pytest_cache"))
+    shutil.rmtree(work / "src")  # the tests must find the plugin through its entry point only
+    result = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=work, pythonpath=example_site)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    passed = re.search(r"(\d+) passed", output)
+    assert passed is not None and int(passed.group(1)) >= 10, output
