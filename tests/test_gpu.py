@@ -8,8 +8,8 @@ import torch
 
 from elasticfw.model.elastic import ElasticModel
 from elasticfw.recipe import validate_recipe_data
-from elasticfw.testing.modes import rel_rms
 from elasticfw.testing.models import FAMILIES, tiny_model
+from elasticfw.testing.modes import rel_rms
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
