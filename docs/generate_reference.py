@@ -226,7 +226,7 @@ def render_plugins(registry: Registry, ep_names: dict[str, str]) -> str:
     out += ["## Built-in plugins", ""]
     for spec in KINDS.values():
         entries = list(registry.entries(spec.kind))
-        out += [f"### {spec.kind}: {spec.summary}", ""]
+        out += [f'<a id="{spec.kind}"></a>', "", f"### {spec.kind}: {spec.summary}", ""]
         out += ["| name | summary |", "|---|---|"]
         out += [f"| [`{e.name}`](#{anchor(e.kind, e.name)}) | {cell(_inline(e.summary))} |" for e in entries]
         out.append("")

@@ -319,8 +319,12 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
                 def fn():
                     _call_flex(fn_c, q, k, v, fm, scale, None)[0].backward(dout)
 
-            row["first_call_s"] = first_call_s(fn, device)
-            finish(row, time_ms(fn, device, args, grads=[q, k, v] if kind == "fwd_bwd" else None), dense=True)
+            # the same recompile policy as the executor: a raised limit, and loud failure past it
+            limit = max(int(torch._dynamo.config.recompile_limit), executor.config.recompile_limit)
+            with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
+                row["first_call_s"] = first_call_s(fn, device)
+                grads = [q, k, v] if kind == "fwd_bwd" else None
+                finish(row, time_ms(fn, device, args, grads=grads), dense=True)
 
         rec.run({"seq": S, "name": "flex_dense_raw", "kind": kind}, body)
 
