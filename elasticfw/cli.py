@@ -4,6 +4,7 @@
     elasticfw recipe validate FILE [key=value ...]
     elasticfw recipe show FILE [key=value ...]
     elasticfw recipe schema
+    elasticfw eval FILE [key=value ...]        # the recipe's elastic section on its eval task
     elasticfw compare FILE [key=value ...]     # run every variant of a recipe's `compare:` list
     elasticfw demo [key=value ...]             # the embedded comparison on the default model
 
@@ -104,6 +105,13 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from elasticfw.eval.compare import run_evaluation
+
+    run_evaluation(_load(args), out=args.output)
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     args.file = str(demo_recipe_path())
     print(f"elasticfw demo: recipe {args.file}", flush=True)
@@ -137,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted.key=value")
     p.add_argument("--output", help="write the report JSON here (default: recipe output_dir or results/)")
     p.set_defaults(func=_cmd_compare)
+
+    p = sub.add_parser("eval", help="run the recipe's elastic section on its eval task")
+    p.add_argument("file")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value")
+    p.add_argument("--output", help="write the report JSON here (default: recipe output_dir or results/)")
+    p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("demo", help="full vs streaming vs retrieval-score heads on the default model")
     p.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. eval.task.num_samples=4")

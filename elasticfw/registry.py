@@ -286,6 +286,11 @@ def load_registry(
             _register_plugin(pm, module, plugin_name, where)
             origins[plugin_name] = (dist, ep.name)
     for i, (origin, obj) in enumerate(extra_plugins):
+        if pm.is_registered(obj):
+            raise DuplicatePluginError(
+                f"plugin {obj!r} from {origin!r} is already registered (through its entry point or given twice); "
+                "register each plugin object once"
+            )
         plugin_name = f"{origin}:extra{i}"
         _register_plugin(pm, obj, plugin_name, f"elasticfw plugin {obj!r} from {origin!r}")
         origins[plugin_name] = (origin, "")

@@ -2,8 +2,11 @@
 
 * The generated reference pages (docs/reference/plugins.md, recipe-schema.md) equal what
   docs/generate_reference.py produces now: regenerate them when this fails.
-* The fenced ```python test blocks of the quickstart run, in order, as one script.
-* The recipes of the recipe how-to (```yaml file=NAME blocks) validate.
+* The fenced ```python test blocks of the quickstart run, in order, as one script; its copy of
+  the demo recipe equals the shipped file.
+* The recipes of the recipe how-to (```yaml file=NAME blocks) validate, and those it shows from
+  recipes/ equal the shipped files.
+* Relative links between the pages point at files and anchors that exist.
 * The contributor tutorial's example plugin (docs/examples/elasticfw-example-mode) is installed
   as a distribution (no network, no build: its package and a dist-info with its entry points,
   laid out by tests/foundation_helpers.py), listed by `elasticfw plugins`, and passes its own
@@ -83,18 +86,62 @@ def test_quickstart_blocks_run(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_quickstart_shows_the_shipped_demo_recipe() -> None:
+    demo = (ROOT / "elasticfw" / "recipes" / "demo.yaml").read_text(encoding="utf-8")
+    blocks = fenced_blocks(DOCS / "tutorials" / "quickstart.md", r"yaml")
+    assert demo in blocks, "the quickstart's copy of elasticfw/recipes/demo.yaml differs from the file"
+
+
 def test_recipe_howto_recipes_validate(tmp_path: Path) -> None:
+    """```yaml file=NAME blocks: a NAME under recipes/ must equal the shipped file; all validate."""
     files = []
     for m in FENCE.finditer((DOCS / "how-to" / "write-a-recipe.md").read_text(encoding="utf-8")):
         named = re.fullmatch(r"yaml file=(\S+)", m.group("info").strip())
-        if named:
-            path = tmp_path / named.group(1)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(m.group("body"), encoding="utf-8")
-            files.append(path)
+        if named is None:
+            continue
+        name, body = named.group(1), m.group("body")
+        if name.startswith("recipes/"):
+            assert body == (ROOT / name).read_text(encoding="utf-8"), f"the how-to's copy of {name} differs"
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(body, encoding="utf-8")
+        files.append(path)
     assert len(files) >= 3, "the recipe how-to's recipes (```yaml file=NAME) are missing"
     for path in files:
         load_recipe(path)
+
+
+# -- links ---------------------------------------------------------------------------------------
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _without_code(text: str) -> str:
+    return FENCE.sub("", text)
+
+
+def _anchors(page: Path) -> set[str]:
+    """Explicit ``<a id>`` anchors and GitHub's slugs of the page's headings."""
+    text = page.read_text(encoding="utf-8")
+    ids = set(re.findall(r'<a id="([^"]+)"></a>', text))
+    for heading in re.findall(r"^#+ (.*)$", _without_code(text), flags=re.M):
+        ids.add(re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-"))
+    return ids
+
+
+def test_relative_links_resolve() -> None:
+    broken = []
+    for page in sorted(DOCS.rglob("*.md")):
+        for target in LINK.findall(_without_code(page.read_text(encoding="utf-8"))):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, fragment = target.partition("#")
+            dest = (page.parent / path) if path else page
+            if not dest.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif fragment and dest.suffix == ".md" and fragment not in _anchors(dest):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such anchor)")
+    assert not broken, "\n".join(broken)
 
 
 # -- the contributor tutorial's example plugin --------------------------------------------------

@@ -112,8 +112,7 @@ def test_optimizer_step_changes_router_only(router):
     opt = torch.optim.AdamW(elastic.trainable_parameters(), lr=1e-2)
     _, ids, mask = batch([80, 50], "left")
     out = elastic(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
-    msr = elastic.routing.prob_sparse.mean()
-    (out.loss + msr).backward()
+    (out.loss + elastic.msr().mean()).backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in elastic.trainable_parameters())
     assert all(p.grad is None for p in model.parameters())
     opt.step()
@@ -247,3 +246,54 @@ def test_routing_report_statistics():
 def test_tiny_config_families_are_what_they_claim():
     assert tiny_config("gemma3").model_type == "gemma3_text"
     assert {tiny_config(f).model_type for f in FAMILIES} == {"llama", "qwen2", "qwen3", "mistral", "gemma3_text"}
+
+
+def test_masks_beyond_causal_padding_are_refused():
+    """Bidirectional overlays and packed sequences would be silently computed causally: refuse them."""
+    model = tiny_model("gemma3", use_bidirectional_attention=True)
+    elastic = ElasticModel(model, elastic_section(MIXED))
+    with pytest.raises(UnsupportedInputError, match="not plain causal"):
+        elastic(input_ids=torch.randint(3, 250, (1, 30)))
+    packed = ElasticModel(tiny_model("llama"), elastic_section(MIXED))
+    pos = torch.cat([torch.arange(20), torch.arange(15)])[None]
+    with pytest.raises(UnsupportedInputError, match="packed sequences"):
+        packed(input_ids=torch.randint(3, 250, (1, 35)), position_ids=pos)
+    with pytest.raises(UnsupportedInputError, match="not plain causal"):  # straight into the backbone
+        packed.base(input_ids=torch.randint(3, 250, (1, 35)), position_ids=pos, use_cache=False)
+
+
+def test_static_cache_is_refused():
+    elastic = ElasticModel(tiny_model("llama"), elastic_section(MIXED))
+    with pytest.raises(UnsupportedInputError, match="cache_implementation='static'"):
+        elastic.generate(input_ids=torch.randint(3, 250, (1, 20)), max_new_tokens=2, cache_implementation="static")
+
+
+def test_two_adapters_claiming_one_model_type_is_an_error():
+    from elasticfw import hookimpl
+    from elasticfw.model.elastic import resolve_adapter
+    from elasticfw.registry import load_registry
+    from elasticfw_plugins.backbones.llama import LlamaAdapter
+
+    class OtherLlama(LlamaAdapter):
+        """A second adapter for llama."""
+
+        name = "other_llama"
+
+    class Plugin:
+        @hookimpl
+        def elasticfw_register_backbones(self, register):
+            register(OtherLlama)
+
+    registry = load_registry(extra_plugins=[("test", Plugin())])
+    with pytest.raises(UnsupportedInputError, match="claimed by two backbone adapters, 'llama' and 'other_llama'"):
+        resolve_adapter(tiny_config("llama"), registry)
+
+
+def test_cuda_device_without_cuda_is_a_clear_error():
+    from elasticfw.errors import BackendUnavailableError
+    from elasticfw.model.loading import resolve_device
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(BackendUnavailableError, match="model.device = 'cuda'"):
+        resolve_device("cuda")

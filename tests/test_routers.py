@@ -128,3 +128,15 @@ def test_retrieval_score_measure_equals_eager_attention_mass():
     assert torch.allclose(measured, expected, atol=1e-5)
     elastic.router.set_scores(measured)
     assert elastic.router.table.sum().item() == 8 - math.floor(0.75 * 8)
+
+
+def test_boundary_pooling_fast_path_equals_definition():
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 3, 50, 4, generator=g)
+    fast = boundary_pool(keys, SeqInfo.dense(2, 50, 50), pool_tokens=8)  # no padding: slice path
+    expected = torch.cat([keys[:, :, :8], keys[:, :, -8:]], dim=2).mean(2)
+    assert torch.allclose(fast, expected, atol=1e-6)
+    # the same sequences seen through the padded (gather) path
+    padded = torch.cat([keys, torch.full((2, 3, 7, 4), 1e4)], dim=2)
+    slow = boundary_pool(padded, SeqInfo.from_lengths(torch.tensor([50, 50]), 57, 57), pool_tokens=8)
+    assert torch.allclose(slow, expected, atol=1e-5)

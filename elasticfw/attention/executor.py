@@ -69,5 +69,8 @@ class Executor(ABC):
         seq: SeqInfo,
         *,
         scale: float,
+        need_lse: bool = True,
     ) -> AttentionOutput:
-        """Attention of every head over the pairs ``layout`` (plus causality) allows."""
+        """Attention of every head over the pairs ``layout`` (plus causality) allows.
+
+        With ``need_lse=False`` an executor may skip the log-sum-exp (``lse=None``)."""

@@ -20,15 +20,18 @@ if TYPE_CHECKING:
 class AttentionOutput:
     """``out`` (B, Hq, Sq, D) in the input dtype and ``lse`` (B, Hq, Sq) float32 (natural log).
 
-    Rows that attend to nothing have ``out == 0`` and ``lse == -inf``.
+    Rows that attend to nothing have ``out == 0`` and ``lse == -inf``. ``lse`` may be ``None``
+    when the caller did not ask for it (``need_lse=False``) and the executor skips it.
     """
 
     out: torch.Tensor
-    lse: torch.Tensor
+    lse: torch.Tensor | None
 
 
 def merge_lse(a: AttentionOutput, b: AttentionOutput) -> AttentionOutput:
     """Combine two attentions over disjoint key sets as one softmax over their union."""
+    if a.lse is None or b.lse is None:
+        raise ValueError("merge_lse needs both log-sum-exps: call the executor with need_lse=True")
     lse = torch.logaddexp(a.lse, b.lse)
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     wa = torch.where(torch.isfinite(a.lse), torch.exp(a.lse - safe), torch.zeros_like(lse))
@@ -89,8 +92,8 @@ class AttentionMode(ABC):
         if layout is None:
             with torch.no_grad():
                 layout = self.build_layout(q, k, seq)
-        result = executor.attend(q, k, v, layout, seq, scale=scale)
         extra = self.side_branch(q, k, v, seq, scale=scale)
+        result = executor.attend(q, k, v, layout, seq, scale=scale, need_lse=extra is not None)
         return merge_lse(result, extra) if extra is not None else result
 
     def __repr__(self) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from elasticfw.attention.seq import SeqInfo
-from elasticfw.bench.attention import environment
+from elasticfw.provenance import environment
 from elasticfw.registry import get_registry
 from elasticfw.routing.base import HeadLayout
 

@@ -3,47 +3,21 @@
 from __future__ import annotations
 
 import json
-import platform
-import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from elasticfw.errors import RecipeError
 from elasticfw.eval.generate import evaluate
 from elasticfw.model.loading import load_model, make_elastic
+from elasticfw.provenance import environment
 from elasticfw.registry import get_registry
 
 
 def _say(text: str) -> None:
     print(text, flush=True)
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() or "unknown"
-
-
-def environment() -> dict[str, Any]:
-    import transformers
-
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
-        "threads": torch.get_num_threads(),
-        "commit": git_commit(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -58,10 +32,20 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def run_comparison(recipe: Any, *, out: str | None = None) -> dict[str, Any]:
+    """Every variant of ``compare:`` on the same samples (``elasticfw compare``)."""
     if not recipe.compare:
         raise RecipeError("compare: the recipe has no `compare:` list of variants to run")
+    return run_variants(recipe, [(v.label, v.elastic) for v in recipe.compare], out=out, kind="compare")
+
+
+def run_evaluation(recipe: Any, *, out: str | None = None) -> dict[str, Any]:
+    """The recipe's own ``elastic`` section on its ``eval`` task (``elasticfw eval``)."""
+    return run_variants(recipe, [("elastic", recipe.elastic)], out=out, kind="eval")
+
+
+def run_variants(recipe: Any, variants: list[tuple[str, Any]], *, out: str | None, kind: str) -> dict[str, Any]:
     if recipe.eval is None:
-        raise RecipeError("eval: required to run a comparison (it names the task and generation settings)")
+        raise RecipeError(f"eval: required by `elasticfw {kind}` (it names the task and generation settings)")
     registry = get_registry()
     t0 = time.perf_counter()
     _say(f"[elasticfw] loading model {recipe.model.name!r} ({recipe.model.dtype}, device {recipe.model.device})")
@@ -72,13 +56,13 @@ def run_comparison(recipe: Any, *, out: str | None = None) -> dict[str, Any]:
     _say(f"[elasticfw] {len(samples)} {task.name} samples, {min(lengths)}-{max(lengths)} tokens "
          f"(model ready in {time.perf_counter() - t0:.0f}s)")
     rows = []
-    for variant in recipe.compare:
-        _say(f"[elasticfw] variant {variant.label!r}: router {variant.elastic.router.name}, "
-             f"{variant.elastic.retrieval_mode.name}-{variant.elastic.sparse_mode.name}")
-        elastic = make_elastic(model, tokenizer, variant.elastic, registry=registry,
+    for label, section in variants:
+        _say(f"[elasticfw] variant {label!r}: router {section.router.name}, "
+             f"{section.retrieval_mode.name}-{section.sparse_mode.name}")
+        elastic = make_elastic(model, tokenizer, section, registry=registry,
                                base_model_name=recipe.model.name, seed=recipe.seed)
 
-        def progress(done: int, total: int, _label: str = variant.label) -> None:
+        def progress(done: int, total: int, _label: str = label) -> None:
             print(f"\r  {_label}: {done}/{total} samples", end="" if done < total else "\n", flush=True)
 
         try:
@@ -87,18 +71,18 @@ def run_comparison(recipe: Any, *, out: str | None = None) -> dict[str, Any]:
                               progress=progress)
         finally:
             elastic.unwrap()
-        row = {"label": variant.label, **result.summary(),
+        row = {"label": label, **result.summary(),
                "completions": [r.completion for r in result.results],
                "per_sample": [{"score": r.score, "msr": r.msr, "esr": r.esr, "tokens": r.tokens}
                               for r in result.results],
-               "elastic": variant.elastic.model_dump(mode="json")}
+               "elastic": section.model_dump(mode="json")}
         rows.append(row)
-        _say(f"  {variant.label}: accuracy {row['accuracy']:.3f}, MSR {row['msr']:.3f}, ESR {row['esr']:.3f}")
+        _say(f"  {label}: accuracy {row['accuracy']:.3f}, MSR {row['msr']:.3f}, ESR {row['esr']:.3f}")
     table = format_table(rows)
     _say("\n" + table)
-    report = {"recipe": recipe.model_dump(mode="json"), "environment": environment(), "rows": rows,
+    report = {"recipe": recipe.model_dump(mode="json"), "environment": environment(next(model.parameters()).device), "rows": rows,
               "total_seconds": time.perf_counter() - t0}
-    path = Path(out) if out else Path(recipe.output_dir or "results") / f"compare-{datetime.now():%Y%m%d-%H%M%S}.json"
+    path = Path(out) if out else Path(recipe.output_dir or "results") / f"{kind}-{datetime.now():%Y%m%d-%H%M%S}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2))
     _say(f"\n[elasticfw] report written to {path}")

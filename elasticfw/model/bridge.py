@@ -43,9 +43,23 @@ def elastic_mask(
     q_offset: int | torch.Tensor = 0,
     kv_offset: int = 0,
     attention_mask: torch.Tensor | None = None,
+    allow_is_causal_skip: bool = True,
     **_: Any,
 ) -> KeyPaddingInfo:
-    """Mask function registered in ``AttentionMaskInterface`` (signature of transformers' own)."""
+    """Mask function registered in ``AttentionMaskInterface`` (signature of transformers' own).
+
+    transformers turns ``allow_is_causal_skip`` off exactly when the mask is more than causal +
+    padding (+ the layer's sliding window, which reaches the attention function separately):
+    packed sequences, bidirectional or image-token overlays, chunked attention, static-cache
+    decoding. elasticfw cannot honour those patterns, so it refuses them instead of computing a
+    plain causal mask.
+    """
+    if not allow_is_causal_skip:
+        raise UnsupportedInputError(
+            "transformers asked for an attention mask that is not plain causal + padding (packed sequences, "
+            "bidirectional or image-token overlays, chunked attention, or a static cache); elasticfw supports "
+            "causal decoder attention with a 2-D padding mask and a dynamic cache only"
+        )
     if isinstance(q_offset, torch.Tensor):
         q_offset = int(q_offset.item())
     key_mask = None

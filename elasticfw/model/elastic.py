@@ -30,6 +30,11 @@ def resolve_adapter(config: Any, registry: Registry | None = None) -> BackboneAd
     supported: dict[str, str] = {}
     for entry in registry.entries("backbone"):
         for mt in entry.cls.model_types:  # type: ignore[attr-defined]
+            if mt in supported:
+                raise UnsupportedInputError(
+                    f"model_type {mt!r} is claimed by two backbone adapters, {supported[mt]!r} and {entry.name!r}; "
+                    "uninstall or fix one of the plugins"
+                )
             supported[mt] = entry.name
     if model_type not in supported:
         raise UnsupportedInputError(
@@ -123,6 +128,12 @@ class ElasticModel(nn.Module):
         for i, module in enumerate(self.adapter.attention_modules(model)):
             setattr(module, BINDING_ATTR, LayerBinding(self.runtime, i))
         model.set_attn_implementation(IMPLEMENTATION)
+        if model.config._attn_implementation != IMPLEMENTATION:
+            self.unwrap()
+            raise UnsupportedInputError(
+                f"{type(model).__name__} did not accept attn_implementation={IMPLEMENTATION!r} (it does not use "
+                "transformers' attention interface); elasticfw cannot enter it"
+            )
         model._elasticfw_wrapped = True
         self.router.eval()
 
@@ -144,6 +155,13 @@ class ElasticModel(nn.Module):
         """``generate`` of the backbone; routing is decided on the prompt and kept for every step
         (with or without a KV cache)."""
         self._check_packed(kwargs)
+        cache_impl = kwargs.get("cache_implementation") or getattr(
+            getattr(self.base, "generation_config", None), "cache_implementation", None
+        )
+        if cache_impl not in (None, "dynamic"):
+            raise UnsupportedInputError(
+                f"cache_implementation={cache_impl!r} is not supported by elasticfw; use the default dynamic cache"
+            )
         self.runtime.decisions.clear()
         self.runtime.records.clear()
         self.runtime.hold_decisions = True
@@ -161,6 +179,15 @@ class ElasticModel(nn.Module):
                     "packed sequences (position_ids restarting inside a row) are not supported; pad the batch "
                     "and pass attention_mask instead"
                 )
+
+    def msr(self) -> torch.Tensor:
+        """(B,) model sparsity ratio of the last forward, *differentiable* in training (it carries the
+        straight-through gradient of the router's decisions) — the quantity the Lagrangian
+        objective constrains. :attr:`routing` holds the detached statistics."""
+        decisions = [self.runtime.decisions[i].sparse for i in self.heads.routed_layers if i in self.runtime.decisions]
+        if len(decisions) != self.heads.num_routed:
+            raise ElasticError("no forward pass has run yet: the MSR is not available")
+        return torch.stack(decisions, dim=1).float().mean((1, 2))
 
     def set_progress(self, progress: float) -> None:
         """Training progress in [0, 1] (drives the router's temperature schedule)."""

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from elasticfw.errors import BackendUnavailableError
 from elasticfw.registry import Registry, get_registry
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -14,7 +15,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def resolve_device(spec: str) -> torch.device:
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(spec)
+    device = torch.device(spec)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BackendUnavailableError(f"model.device = {spec!r} but this machine has no CUDA device (use auto or cpu)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise BackendUnavailableError(
+            f"model.device = {spec!r} but only {torch.cuda.device_count()} CUDA device(s) are visible"
+        )
+    return device
 
 
 def load_model(section: Any, *, registry: Registry | None = None) -> tuple[Any, Any]:

@@ -136,7 +136,7 @@ class ElasticRuntime:
         if decision is None:  # layer kept native: full (windowed) attention
             layout = causal_layout(seq, self.retrieval_mode.block_size)
             layout = with_window(layout, seq, window) if window else layout
-            out = self.executor.attend(q, k, v, layout, seq, scale=scale).out
+            out = self.executor.attend(q, k, v, layout, seq, scale=scale, need_lse=False).out
             if record:
                 self.records[layer_idx] = LayerRecord(
                     None, None, computed_pairs(layout, seq, hq), seq.causal_pairs()
@@ -176,9 +176,13 @@ class ElasticRuntime:
         seq = can.seq
         bs = min(lay_r.block_size, lay_s.block_size)
         combined = select_heads(hard, rescale(lay_s, seq, bs), rescale(lay_r, seq, bs))
-        result = self.executor.attend(can.q, can.k, can.v, combined, seq, scale=scale)
-        for mode, heads in ((self.sparse_mode, hard), (self.retrieval_mode, ~hard)):
-            extra = mode.side_branch(can.q, can.k, can.v, seq, scale=scale)
+        extras = [
+            (mode.side_branch(can.q, can.k, can.v, seq, scale=scale), heads)
+            for mode, heads in ((self.sparse_mode, hard), (self.retrieval_mode, ~hard))
+        ]
+        need_lse = any(extra is not None for extra, _ in extras)
+        result = self.executor.attend(can.q, can.k, can.v, combined, seq, scale=scale, need_lse=need_lse)
+        for extra, heads in extras:
             if extra is not None:
                 merged = merge_lse(result, extra)
                 result = AttentionOutput(

@@ -110,7 +110,6 @@ class ModeConformance:
     #: token after the end of t's block (block-level estimators such as XAttention)
     token_causal: ClassVar[bool] = False
     token_reference: ClassVar[Callable[..., torch.Tensor] | None] = None
-    shapes: ClassVar[list[tuple[int, int, int, int, int, int]]] = SHAPES
 
     def mode(self, **extra: Any) -> AttentionMode:
         return make_mode(self.mode_name, {**self.small_config, **extra})

@@ -227,6 +227,7 @@ class FlexExecutor(Executor):
         seq: SeqInfo,
         *,
         scale: float,
+        need_lse: bool = True,
     ) -> AttentionOutput:
         self.check_inputs(q, k, v, seq)
         cfg = self.config

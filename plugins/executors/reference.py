@@ -38,6 +38,7 @@ class ReferenceExecutor(Executor):
         seq: SeqInfo,
         *,
         scale: float,
+        need_lse: bool = True,
     ) -> AttentionOutput:
         self.check_inputs(q, k, v, seq)
         batch, hq, sq, dim = q.shape

@@ -42,6 +42,9 @@ def boundary_pool(keys: torch.Tensor, seq: SeqInfo, pool_tokens: int) -> torch.T
     Only those (at most 2N) tokens are read, so the cost does not grow with the sequence.
     """
     batch, heads, sk, dim = keys.shape
+    if sk >= 2 * pool_tokens and seq.kv_len.eq(sk).all():  # no padding: two slices, no gather
+        ends = keys[:, :, :pool_tokens].float().sum(2) + keys[:, :, sk - pool_tokens :].float().sum(2)
+        return ends / (2 * pool_tokens)
     n = seq.kv_len.to(keys.device)[:, None]  # (B, 1)
     offs = torch.arange(pool_tokens, device=keys.device)[None, :]
     first = offs.expand(batch, -1)
@@ -90,11 +93,11 @@ class MLPRouter(Router):
 
     def decide(self, layer: int, keys: torch.Tensor, seq: SeqInfo) -> RouterDecision:
         module = self.layers[layer]
-        dtype = next(module.parameters()).dtype
-        pooled = boundary_pool(keys, seq, self.config.pool_tokens).to(dtype)
+        pooled = boundary_pool(keys, seq, self.config.pool_tokens).to(module.task_mlp[0].weight.dtype)
         logits = module(pooled)  # (B, H, 2)
         if self.training:
             prob = gumbel_softmax_sparse_prob(logits, self.temperature(), noise=True)
             return RouterDecision(straight_through(prob), prob, logits)
-        prob = torch.softmax(logits.float(), dim=-1)[..., 1]
+        # softmax over two logits: P(sparse) = sigmoid(z1 - z0); arg max = P > 0.5
+        prob = torch.sigmoid((logits[..., 1] - logits[..., 0]).float())
         return RouterDecision((prob > 0.5).to(prob.dtype), prob, logits)

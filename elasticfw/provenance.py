@@ -1,0 +1,63 @@
+"""Where a measurement came from: date, commit, versions, machine. Every JSON under results/
+carries this block."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _version(module: str) -> str | None:
+    try:
+        mod = __import__(module)
+    except ImportError:
+        return None
+    return str(getattr(mod, "__version__", "unknown"))
+
+
+def git_commit() -> dict[str, Any]:
+    """HEAD of the checkout this module lives in (and whether the tree differs from it), else
+    ``$ELASTICFW_COMMIT`` (copies of the repository without ``.git``)."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*cmd: str) -> str:
+        out = subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True, timeout=10, check=True)
+        return out.stdout.strip()
+
+    env = os.environ.get("ELASTICFW_COMMIT")
+    try:
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != root:
+            raise subprocess.SubprocessError("not the elasticfw checkout")
+        return {"git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(git("status", "--porcelain"))}
+    except (OSError, subprocess.SubprocessError):
+        return {"git_commit": env, "git_dirty": None}
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        **git_commit(),
+        "elasticfw_commit_env": os.environ.get("ELASTICFW_COMMIT"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "device": str(device),
+        "host": platform.node(),
+    }
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+        env["cudnn"] = torch.backends.cudnn.version()
+        env["capability"] = list(torch.cuda.get_device_capability(device))
+    else:
+        env["gpu"] = None
+        env["cpu"] = platform.processor() or platform.machine()
+        env["threads"] = torch.get_num_threads()
+    return env
