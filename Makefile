@@ -1,6 +1,6 @@
 # elasticfw — two commands on a fresh machine:
 #   make demo   set up .venv, then run the embedded comparison on SmolLM2-135M (CPU is fine)
-#   make test   set up .venv, then lint and run the whole test suite
+#   make test   set up .venv, then lint, type-check and run the whole test suite
 #
 # TORCH_SPEC picks the torch build installed first. The default is the CPU wheel that CI uses;
 # on a GPU machine install your CUDA build instead, e.g. `make test TORCH_SPEC="torch==2.11.0"`
@@ -38,7 +38,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-test: lint
+test: lint typecheck
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:

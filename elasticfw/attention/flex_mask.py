@@ -293,6 +293,7 @@ def tile_masks(block_mask: BlockMask) -> tuple[torch.Tensor, torch.Tensor]:
     partial = _lists_to_dense(block_mask.kv_num_blocks, block_mask.kv_indices, nkb)
     if block_mask.full_kv_num_blocks is None:
         return partial, torch.zeros_like(partial)
+    assert block_mask.full_kv_indices is not None  # a BlockMask sets both full-block lists or neither
     full = _lists_to_dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, nkb)
     return partial, full
 

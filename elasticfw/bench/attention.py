@@ -200,7 +200,7 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
             if kind == "fwd_bwd" and args.no_backward:
                 continue
 
-            def body(row, backend=backend, kind=kind):
+            def sdpa_body(row, backend=backend, kind=kind):
                 def sdpa(q, k, v, gqa):
                     with sdpa_kernel(backend):
                         if gqa:
@@ -237,7 +237,7 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
 
                     finish(row, time_ms(fn, device, args, grads=[q, k, v]), dense=True)
 
-            rec.run({"seq": S, "name": name, "kind": kind}, body)
+            rec.run({"seq": S, "name": name, "kind": kind}, sdpa_body)
 
     # -- the raw FlexAttention kernel on a prebuilt causal mask --------------------------
     executor = FlexExecutor(FlexConfig(implementation=args.implementation))
@@ -246,7 +246,7 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
         if kind == "fwd_bwd" and (args.no_backward or impl == "eager"):
             continue
 
-        def body(row, kind=kind):
+        def raw_body(row, kind=kind):
             row["implementation"] = impl
             if impl != "compiled":
                 row["skipped"] = f"the raw kernel entry needs the compiled implementation (here: {impl})"
@@ -273,13 +273,13 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
                 grads = [q, k, v] if kind == "fwd_bwd" else None
                 finish(row, time_ms(fn, device, args, grads=grads), dense=True)
 
-        rec.run({"seq": S, "name": "flex_dense_raw", "kind": kind}, body)
+        rec.run({"seq": S, "name": "flex_dense_raw", "kind": kind}, raw_body)
 
     # -- every registered mode through the executor -------------------------------------
     layouts: dict[str, tuple[AttentionMode, BlockLayout]] = {}
     for mode in _modes(args):
 
-        def body(row, mode=mode):
+        def layout_body(row, mode=mode):
             with torch.no_grad():
                 row["first_call_s"] = first_call_s(lambda: mode.build_layout(q0, k0, seq), device)
                 layout = mode.build_layout(q0, k0, seq)
@@ -298,9 +298,10 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
             except Exception as exc:  # noqa: BLE001 - sparsity is informative only
                 row["esr_error"] = f"{type(exc).__name__}: {exc}"
 
-        rec.run({"seq": S, "name": f"layout:{mode.name}", "kind": "layout"}, body)
+        rec.run({"seq": S, "name": f"layout:{mode.name}", "kind": "layout"}, layout_body)
 
-    entries: list[tuple[str, AttentionMode | None, Callable[[], BlockLayout]]] = []
+    # layout factories, called with no argument (the lambdas bind their layout through a default)
+    entries: list[tuple[str, AttentionMode | None, Callable[..., BlockLayout]]] = []
     for name, (mode, layout) in layouts.items():
         entries.append((name, mode, lambda layout=layout: layout))
     if not args.no_hybrid:
@@ -315,7 +316,7 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
                 )
             )
 
-    for name, mode, make_layout in entries:
+    for name, side_mode, make_layout in entries:
 
         def convert_body(row, make_layout=make_layout):
             layout = make_layout()
@@ -333,7 +334,7 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
             if kind == "fwd_bwd" and (args.no_backward or impl == "eager"):
                 continue
 
-            def body(row, make_layout=make_layout, kind=kind):
+            def flex_body(row, make_layout=make_layout, kind=kind):
                 layout = make_layout()
                 row["implementation"] = impl
                 q, k, v = leaves() if kind == "fwd_bwd" else (q0, k0, v0)
@@ -355,11 +356,11 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
                     dense=False,
                 )
 
-            rec.run({"seq": S, "name": f"flex:{name}", "kind": kind}, body)
+            rec.run({"seq": S, "name": f"flex:{name}", "kind": kind}, flex_body)
 
-        if mode is not None and type(mode).side_branch is not AttentionMode.side_branch:
+        if side_mode is not None and type(side_mode).side_branch is not AttentionMode.side_branch:
 
-            def side_body(row, mode=mode, make_layout=make_layout):
+            def side_body(row, mode=side_mode, make_layout=make_layout):
                 layout = make_layout()
 
                 def fn():

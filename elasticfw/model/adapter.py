@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from torch import nn
 
@@ -36,7 +36,7 @@ class BackboneAdapter:
         return list(layers)
 
     def attention_modules(self, model: nn.Module) -> list[nn.Module]:
-        return [layer.self_attn for layer in self.decoder_layers(model)]
+        return [cast(nn.Module, layer.self_attn) for layer in self.decoder_layers(model)]
 
     def head_layout(self, config: Any) -> tuple[int, int, int, int]:
         """(num_layers, num_query_heads, num_kv_heads, head_dim)."""

@@ -85,6 +85,7 @@ def load_adapter(model: Any, path: str | Path, *, registry: Registry | None = No
                 f"(adapter base model: {meta['base_model']!r})"
             )
     section_cls = recipe_model(registry).model_fields["elastic"].annotation
+    assert section_cls is not None  # the recipe model always declares its elastic section's class
     elastic_cfg = section_cls.model_validate(meta["elastic"], context={"registry": registry})
     elastic = ElasticModel(model, elastic_cfg, registry=registry, base_model_name=meta["base_model"])
     if list(elastic.heads.routed_layers) != meta["routed_layers"]:

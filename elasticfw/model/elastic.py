@@ -81,7 +81,7 @@ class ElasticModel(nn.Module):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: Any,  # a transformers causal LM (PreTrainedModel), used through its duck-typed API
         elastic: Any,
         *,
         registry: Registry | None = None,

@@ -35,7 +35,10 @@ def load_model(section: Any, *, registry: Registry | None = None) -> tuple[Any, 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(section.name, revision=section.revision)
-    model = AutoModelForCausalLM.from_pretrained(section.name, dtype=dtype, revision=section.revision)
+    # an nn.Module: transformers' @wraps(nn.Module.to) on PreTrainedModel.to mis-types the bound call
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
+        section.name, dtype=dtype, revision=section.revision
+    )
     return model.to(device).eval(), tokenizer
 
 

@@ -47,7 +47,7 @@ class LayerRecord:
 
     sparse: torch.Tensor | None  # (B, Hkv) hard decisions, None for layers that are not routed
     prob_sparse: torch.Tensor | None
-    computed: torch.Tensor | None  # (B, Hq) (query, key) pairs computed
+    computed: torch.Tensor  # (B, Hq) (query, key) pairs computed
     causal: torch.Tensor  # (B,)
 
 
@@ -108,13 +108,13 @@ class ElasticRuntime:
             decision = self.router.decide(self.routed[layer_idx], can.k, can.seq)
             self.decisions[layer_idx] = decision
             return decision
-        decision = self.decisions.get(layer_idx)
-        if decision is None or decision.sparse.shape[0] != can.q.shape[0]:
+        previous = self.decisions.get(layer_idx)
+        if previous is None or previous.sparse.shape[0] != can.q.shape[0]:
             raise ElasticError(
                 f"layer {layer_idx}: a continuation chunk (decode step or chunked prefill) arrived without the "
                 "routing decision of its prefill; run the prompt from its first token first"
             )
-        return decision
+        return previous
 
     # -- execution ------------------------------------------------------------------------------
     def _layouts(
@@ -185,6 +185,8 @@ class ElasticRuntime:
         for extra, heads in extras:
             if extra is not None:
                 merged = merge_lse(result, extra)
+                # merge_lse raised unless result.lse was set, and it always returns an lse
+                assert merged.lse is not None and result.lse is not None
                 result = AttentionOutput(
                     torch.where(heads[:, :, None, None], merged.out, result.out),
                     torch.where(heads[:, :, None], merged.lse, result.lse),

@@ -92,7 +92,7 @@ def _section_class(model: type[BaseModel], parts: list[str], data: Any, registry
         field = cls.model_fields[part]
         cur = cur.get(part) if isinstance(cur, dict) else None
         if part in PLUGIN_FIELDS:
-            name = cur.get("name") if isinstance(cur, dict) else None
+            name: Any = cur.get("name") if isinstance(cur, dict) else None  # raw data, not validated yet
             kind = PLUGIN_FIELDS[part]
             cls = registry.entry(kind, name).config_class if (kind, name) in registry else None
             continue

@@ -199,8 +199,8 @@ def load_recipe_dict(
             apply_override(cfg, key, value)
         resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
-        where = f" at {key}" if key else ""
+        bad_key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
+        where = f" at {bad_key}" if bad_key else ""
         first = str(exc).splitlines()[0]
         raise RecipeError(f"recipe {str(path or '<data>')!r}: cannot resolve{where}: {first}") from None
     assert isinstance(resolved, dict)

@@ -7,9 +7,12 @@ bias, q/k norms, sliding-window layers).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
 
@@ -24,7 +27,7 @@ def tiny_config(family: str, **overrides: Any) -> Any:
         Qwen3Config,
     )
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=256,
         hidden_size=96,
         intermediate_size=192,
@@ -38,6 +41,7 @@ def tiny_config(family: str, **overrides: Any) -> Any:
         eos_token_id=2,
         tie_word_embeddings=False,
     )
+    cfg: PretrainedConfig
     if family == "llama":
         cfg = LlamaConfig(**common)
     elif family == "qwen2":

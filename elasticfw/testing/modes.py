@@ -73,7 +73,7 @@ def make_inputs(
     q += 0.5 * direction
     lens = torch.tensor(kv_lens if kv_lens is not None else [sk] * batch)
     seq = SeqInfo.from_lengths(lens, sq, sk)
-    cast = dict(dtype=dtype, device=device)
+    cast: dict[str, Any] = dict(dtype=dtype, device=device)
     return q.to(**cast), k.to(**cast), v.to(**cast), SeqInfo(
         seq.q_start.to(device), seq.kv_len.to(device), sq, sk
     )
