@@ -41,6 +41,12 @@ class RouterDecision:
     prob_sparse: torch.Tensor  # (B, Hkv) float in [0, 1]
     logits: torch.Tensor | None = None
 
+    @classmethod
+    def constant(cls, row: torch.Tensor, batch: int, device: torch.device) -> RouterDecision:
+        """The same 0/1 assignment ``row`` (Hkv,) for every sample (input-independent routers)."""
+        sparse = row.to(device)[None, :].expand(batch, -1)
+        return cls(sparse=sparse, prob_sparse=sparse)
+
 
 class Router(nn.Module, ABC):
     """Decides, per input and per (routed layer, KV head), retrieval mode vs sparse mode.

@@ -7,58 +7,53 @@ bias, q/k norms, sliding-window layers).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from transformers import PretrainedConfig
 
-if TYPE_CHECKING:
-    from transformers import PretrainedConfig
+#: family -> (transformers model_type, what differs from the common tiny sizes)
+TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "mistral": ("mistral", {"sliding_window": None}),
+    "gemma3": (
+        "gemma3_text",
+        {
+            "sliding_window": 24,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 16,
+        },
+    ),
+}
+FAMILIES = tuple(TINY_FAMILIES)
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+COMMON: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=96,
+    intermediate_size=192,
+    num_hidden_layers=4,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
 
 
-def tiny_config(family: str, **overrides: Any) -> Any:
-    """A small config of ``family`` (4 layers, 6 query / 2 KV heads, head_dim 16)."""
-    from transformers import (
-        Gemma3TextConfig,
-        LlamaConfig,
-        MistralConfig,
-        Qwen2Config,
-        Qwen3Config,
-    )
+def tiny_config(family: str, **overrides: Any) -> PretrainedConfig:
+    """A small config of ``family`` (4 layers, 6 query / 2 KV heads, head_dim 16); ``overrides``
+    are set on it afterwards."""
+    from transformers import AutoConfig
 
-    common: dict[str, Any] = dict(
-        vocab_size=256,
-        hidden_size=96,
-        intermediate_size=192,
-        num_hidden_layers=4,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-    )
-    cfg: PretrainedConfig
-    if family == "llama":
-        cfg = LlamaConfig(**common)
-    elif family == "qwen2":
-        cfg = Qwen2Config(**common)
-    elif family == "qwen3":
-        cfg = Qwen3Config(**common)
-    elif family == "mistral":
-        cfg = MistralConfig(**{**common, "sliding_window": None})
-    elif family == "gemma3":
-        cfg = Gemma3TextConfig(
-            **{**common, "num_hidden_layers": 4},
-            sliding_window=24,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-            query_pre_attn_scalar=16,
-        )
-    else:
+    if family not in TINY_FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
+    model_type, extra = TINY_FAMILIES[family]
+    cfg = AutoConfig.for_model(model_type, **{**COMMON, **extra})
     for key, value in overrides.items():
         setattr(cfg, key, value)
     return cfg

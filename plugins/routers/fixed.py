@@ -60,5 +60,4 @@ class FixedRouter(Router):
         self.register_buffer("table", table, persistent=False)
 
     def decide(self, layer: int, keys: torch.Tensor, seq: SeqInfo) -> RouterDecision:
-        sparse = self.table[layer].to(keys.device)[None, :].expand(keys.shape[0], -1)
-        return RouterDecision(sparse=sparse, prob_sparse=sparse)
+        return RouterDecision.constant(self.table[layer], keys.shape[0], keys.device)

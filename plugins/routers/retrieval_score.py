@@ -62,8 +62,7 @@ class RetrievalScoreRouter(Router):
         if self.scores is None and not self._probing:
             raise ElasticError("retrieval_score router used before calibration: call router.prepare(elastic, tokenizer)")
         table = torch.zeros_like(self.table) if self._probing else self.table
-        sparse = table[layer].to(keys.device)[None, :].expand(keys.shape[0], -1)
-        return RouterDecision(sparse=sparse, prob_sparse=sparse)
+        return RouterDecision.constant(table[layer], keys.shape[0], keys.device)
 
     # -- calibration -----------------------------------------------------------------------------
     def prepare(self, elastic: Any, tokenizer: Any, *, seed: int = 0) -> None:
