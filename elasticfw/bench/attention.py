@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from elasticfw.attention.flex_mask import to_block_mask
 from elasticfw.attention.layout import BlockLayout, causal_layout, esr, select_heads
@@ -144,10 +145,18 @@ def causal_flops(batch: int, heads: int, seq: int, dim: int) -> float:
 def _modes(args: argparse.Namespace) -> list[AttentionMode]:
     registry = get_registry()
     names = registry.names("sparse_mode") if not args.modes else args.modes
+    overrides: dict[str, dict[str, Any]] = {}
+    for item in args.set or []:
+        key, sep, raw = item.partition("=")
+        name, dot, field = key.partition(".")
+        if not (sep and dot and field):
+            raise SystemExit(f"--set {item!r}: expected MODE.FIELD=VALUE, e.g. moba.query_granularity=block")
+        overrides.setdefault(name, {})[field] = yaml.safe_load(raw)
     out = []
     for name in names:
         entry = registry.entry("sparse_mode", name)
-        out.append(entry.cls(entry.config_class()))  # type: ignore[misc]
+        config = entry.config_class.model_validate({"name": name, **overrides.get(name, {})})  # type: ignore[union-attr]
+        out.append(entry.cls(config))
     return out
 
 
@@ -403,6 +412,8 @@ def correctness(N: int, args: argparse.Namespace, rec: Recorder, device: torch.d
             def body(row, mode=mode, seq=seq, q0=q0, k0=k0, v0=v0, dout=dout, case=case):
                 with torch.no_grad():
                     layout = mode.build_layout(q0, k0, seq)
+                row["config"] = mode.config.model_dump()
+                row["esr_mean"] = float(esr(layout, seq, hq).mean())  # a dense layout checks little
                 results = []
                 for ex, cast in ((executor, dtype), (reference, torch.float32)):
                     q, k, v = (t.detach().to(cast).requires_grad_(True) for t in (q0, k0, v0))
@@ -509,6 +520,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--modes", nargs="*", default=None, help="registered mode names (default: all)")
     p.add_argument(
+        "--set",
+        action="append",
+        metavar="MODE.FIELD=VALUE",
+        help="override a mode's paper-default config, e.g. --set moba.query_granularity=block (repeatable)",
+    )
+    p.add_argument(
         "--implementation", default="auto", help="flex executor implementation (auto/compiled/...)"
     )
     p.add_argument("--msr", type=float, default=0.875, help="sparse share of KV heads in the hybrid entries")
@@ -552,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "baseline": args.baseline_name,
-        "modes": get_registry().names("sparse_mode"),
+        "modes": {m.name: (m.config.model_dump() if hasattr(m, "config") else None) for m in _modes(args)},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.check_seq:
