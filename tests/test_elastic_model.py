@@ -76,10 +76,11 @@ def test_padded_batch_equals_one_by_one(family, side):
             assert torch.isclose(batched_esr[i], elastic.routing.esr[0], atol=1e-6)
 
 
+@pytest.mark.parametrize("router", [{"name": "mlp", "pool_tokens": 8}, MIXED], ids=["mlp", "mixed"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_generate_with_cache_equals_without(family):
+def test_generate_with_cache_equals_without(family, router):
     torch.manual_seed(0)
-    elastic = ElasticModel(tiny_model(family), elastic_section({"name": "mlp", "pool_tokens": 8}))
+    elastic = ElasticModel(tiny_model(family), elastic_section(router))
     _, ids, mask = batch([70, 45], "left", seed=3)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
     with torch.no_grad():
@@ -88,6 +89,9 @@ def test_generate_with_cache_equals_without(family):
         uncached = elastic.generate(use_cache=False, **kwargs)
     assert torch.equal(cached, uncached)
     assert torch.equal(decisions, elastic.routing.decisions)
+    assert bool(decisions.any())  # the sparse mode really runs in these generations
+    if router is MIXED:  # and both modes run in one launch
+        assert not bool(decisions.all())
 
 
 def test_mixed_routing_actually_differs_from_full():
