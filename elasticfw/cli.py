@@ -6,7 +6,9 @@
     elasticfw recipe schema
     elasticfw eval FILE [key=value ...]        # the recipe's elastic section on its eval task
     elasticfw compare FILE [key=value ...]     # run every variant of a recipe's `compare:` list
-    elasticfw demo [key=value ...]             # the embedded comparison on the default model
+    elasticfw train FILE [key=value ...] [--output DIR] [--resume | --overwrite]
+                                               # train the router (Lagrangian objective), then evaluate
+    elasticfw demo [key=value ...]             # the paper in miniature on the default model
 
 Errors elasticfw raises on purpose print as one paragraph and exit with status 2; anything else
 is a bug and keeps its traceback.
@@ -112,6 +114,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from elasticfw.training.run import run_training
+
+    run_training(_load(args), output=args.output, resume=args.resume, overwrite=args.overwrite)
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     args.file = str(demo_recipe_path())
     print(f"elasticfw demo: recipe {args.file}", flush=True)
@@ -151,6 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted.key=value")
     p.add_argument("--output", help="write the report JSON here (default: recipe output_dir or results/)")
     p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("train", help="train the recipe's router (and baselines), then evaluate on held-back samples")
+    p.add_argument("file")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value")
+    p.add_argument("--output", help="the run folder (default: the recipe's train.output_dir)")
+    p.add_argument("--resume", action="store_true", help="continue the run in the folder from its last checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace a run already in the folder")
+    p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("demo", help="full vs streaming vs retrieval-score heads on the default model")
     p.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. eval.task.num_samples=4")

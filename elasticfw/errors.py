@@ -54,6 +54,10 @@ class CheckpointError(ElasticError):
     """An adapter checkpoint is missing, malformed, or does not fit the base model."""
 
 
+class TrainingError(ElasticError):
+    """Training cannot go on (a non-finite loss, a run folder in the way, a mismatched resume)."""
+
+
 def suggest(name: str, choices: Iterable[str]) -> str:
     """Return a "did you mean" phrase for ``name`` among ``choices`` (empty if none is close)."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)

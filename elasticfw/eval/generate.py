@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from elasticfw.eval.task import Sample, Task
+from elasticfw.eval.task import Sample, Task, check_context, context_window
 
 
 @dataclass
@@ -63,8 +63,12 @@ def evaluate(
     padding_side: str = "left",
     progress: Callable[[int, int], None] | None = None,
 ) -> EvalResult:
-    """Greedy-generate for every sample (left-padded batches by default) and score it."""
-    device = next(elastic.base.parameters()).device
+    """Greedy-generate for every sample (left-padded batches by default) and score it.
+
+    ``elastic`` is an elastic model, or a plain causal LM (full attention: MSR and ESR 0)."""
+    model = getattr(elastic, "base", elastic)
+    check_context(task.name, samples, context_window(model), extra=max_new_tokens)
+    device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     result = EvalResult()
     start = time.perf_counter()
@@ -78,16 +82,16 @@ def evaluate(
             do_sample=False,
             pad_token_id=pad_id,
         )
-        routing = elastic.routing
+        routing = elastic.routing if model is not elastic else None
         for i, sample in enumerate(batch):
             text = tokenizer.decode(out[i, ids.shape[1] :], skip_special_tokens=True)
             result.results.append(
                 SampleResult(
                     completion=text,
                     score=task.score(sample, text),
-                    msr=float(routing.msr[i]),
-                    esr=float(routing.esr[i]),
-                    esr_last_layer=float(routing.esr_last_layer[i]),
+                    msr=float(routing.msr[i]) if routing is not None else 0.0,
+                    esr=float(routing.esr[i]) if routing is not None else 0.0,
+                    esr_last_layer=float(routing.esr_last_layer[i]) if routing is not None else 0.0,
                     tokens=len(sample.input_ids),
                 )
             )

@@ -25,6 +25,7 @@ from elasticfw.attention.layout import (
     with_window,
 )
 from elasticfw.attention.mode import AttentionMode, AttentionOutput, merge_lse
+from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import ElasticError
 from elasticfw.model.bridge import KeyPaddingInfo
 from elasticfw.model.canonical import Canonical, canonicalize
@@ -68,6 +69,10 @@ class ElasticRuntime:
     #: inside ElasticModel.generate: keep the first decision of each layer for the whole call,
     #: so generation without a KV cache routes exactly like generation with one
     hold_decisions: bool = False
+    #: (B,) number of each sample's leading real tokens the router may see (``None``: all of them).
+    #: Training sets it to the prompt lengths, so the router decides on the prompt exactly as it
+    #: does at inference and never sees the answer it is trained to produce.
+    route_lengths: torch.Tensor | None = None
 
     # -- entry point (called by the bridge) ---------------------------------------------------
     def attend(
@@ -105,7 +110,7 @@ class ElasticRuntime:
         if held is not None and held.sparse.shape[0] == can.q.shape[0]:
             return held
         if can.first_chunk or self.mixing:
-            decision = self.router.decide(self.routed[layer_idx], can.k, can.seq)
+            decision = self.router.decide(self.routed[layer_idx], can.k, self._routing_seq(can))
             self.decisions[layer_idx] = decision
             return decision
         previous = self.decisions.get(layer_idx)
@@ -115,6 +120,18 @@ class ElasticRuntime:
                 "routing decision of its prefill; run the prompt from its first token first"
             )
         return previous
+
+    def _routing_seq(self, can: Canonical) -> SeqInfo:
+        if self.route_lengths is None:
+            return can.seq
+        lengths = self.route_lengths.to(can.seq.kv_len.device)
+        if lengths.shape != can.seq.kv_len.shape:
+            raise ElasticError(
+                f"route_lengths has {tuple(lengths.shape)} entries but the batch has {can.seq.batch} samples"
+            )
+        if not can.first_chunk:
+            raise ElasticError("route_lengths is set but the forward is not a prefill from the first token")
+        return SeqInfo(can.seq.q_start, torch.minimum(lengths, can.seq.kv_len), can.seq.q_len, can.seq.kv_capacity)
 
     # -- execution ------------------------------------------------------------------------------
     def _layouts(

@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from elasticfw.errors import suggest
+from elasticfw.recipe.train_section import Target, TrainSettings, check_target
 from elasticfw.registry import Registry, get_registry
 
 #: recipe field name → plugin kind, for error messages
@@ -40,6 +41,7 @@ _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 PaddingSide = Literal["left", "right"]
+Category = Literal["sensitive", "robust"]
 
 
 class Section(BaseModel):
@@ -151,6 +153,42 @@ def _build_models(registry_id: int, revision: int) -> type[BaseModel]:  # revisi
         label=(str, Field(..., min_length=1, description="Row label in the report.")),
         elastic=(elastic, Field(..., description="The variant's elastic section (merged onto the recipe's).")),
     )
+    train_task = create_model(
+        "TrainTask",
+        __base__=Section,
+        __doc__="One task of the training mixture, with its sparsity target.",
+        __validators__={"_target": field_validator("target")(_check_target)},  # type: ignore[dict-item]
+        task=(registry.config_union("task"), Field(..., description="The task plugin; its num_samples is the training pool.")),
+        label=(str | None, Field(None, min_length=1, description="Name in logs and summaries (default: the task's name).")),
+        category=(
+            Category | None,
+            Field(None, description="sensitive or robust (default: the task's own); picks the default target."),
+        ),
+        target=(
+            Target | None,
+            Field(None, description="Sparsity target t in [0, 1], or an interval [t_lo, t_hi] (default: train.targets[category])."),
+        ),
+        weight=(float, Field(1.0, gt=0, le=1e6, description="Relative frequency of this task in the mixture.")),
+        eval_samples=(int, Field(20, ge=0, le=1_000_000, description="Held-back samples (eval split) for the evaluation after training.")),
+    )
+    baseline = create_model(
+        "TrainBaseline",
+        __base__=Section,
+        __doc__="A router trained after the main one with the same settings and evaluated on the same samples.",
+        label=(str | None, Field(None, min_length=1, description="Name in the summary (default: the router's name).")),
+        router=(registry.config_union("router"), Field(..., description="The router to train.")),
+    )
+    train = create_model(
+        "TrainSection",
+        __base__=TrainSettings,
+        __doc__="Router training (`elasticfw train`).",
+        __validators__={"_labels": model_validator(mode="after")(_check_train_labels)},  # type: ignore[dict-item]
+        tasks=(list[train_task], Field(..., min_length=1, description="The task mixture.")),  # type: ignore[valid-type]
+        baselines=(
+            list[baseline],  # type: ignore[valid-type]
+            Field(default_factory=list, description="Routers trained and evaluated beside the recipe's (e.g. static)."),
+        ),
+    )
     recipe = create_model(
         "Recipe",
         __base__=Section,
@@ -167,10 +205,33 @@ def _build_models(registry_id: int, revision: int) -> type[BaseModel]:  # revisi
             list[variant] | None,  # type: ignore[valid-type]
             Field(None, description="Variants run on the same samples (`elasticfw compare`)."),
         ),
+        train=(  # type: ignore[arg-type]
+            train | None,
+            Field(None, description="Router training (`elasticfw train`)."),
+        ),
         output_dir=(str | None, Field(None, description="Where results are written (JSON).")),
         __validators__={"_variants": model_validator(mode="before")(merge_variants)},  # type: ignore[dict-item]
     )
     return recipe
+
+
+def _check_target(value: Any) -> Any:
+    return check_target(value)
+
+
+def _check_train_labels(section: Any) -> Any:
+    labels = [t.label or t.task.name for t in section.tasks]
+    dupes = sorted({label for label in labels if labels.count(label) > 1})
+    if dupes:
+        raise ValueError(
+            f"two training tasks are both called {dupes[0]!r}; give each entry a distinct `label` "
+            "(e.g. the same task at two lengths)"
+        )
+    names = [b.label or b.router.name for b in section.baselines]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"two baselines are both called {dupes[0]!r}; give each a distinct `label`")
+    return section
 
 
 def merge_variants(data: Any) -> Any:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from elasticfw.attention.seq import SeqInfo
+from elasticfw.errors import ElasticError
 from elasticfw.registry import PluginConfig
 
 
@@ -65,6 +66,7 @@ class Router(nn.Module, ABC):
         self.config = config
         self.heads = heads
         self.progress = 0.0  # training progress in [0, 1], drives temperature schedules
+        self._noise: torch.Tensor | None = None  # preset Gumbel noise (B, L_routed, Hkv, 2), see set_noise
 
     @abstractmethod
     def decide(self, layer: int, keys: torch.Tensor, seq: SeqInfo) -> RouterDecision:
@@ -77,6 +79,29 @@ class Router(nn.Module, ABC):
 
     def set_progress(self, progress: float) -> None:
         self.progress = float(min(max(progress, 0.0), 1.0))
+
+    def set_noise(self, noise: torch.Tensor | None) -> None:
+        """Preset the Gumbel noise of the next forwards: (B, L_routed, Hkv, 2), one row per sample
+        (:func:`elasticfw.routing.gumbel.sample_noise`), or ``None`` to draw fresh noise. The
+        trainer sets it so a sample's routing noise does not depend on batching or resumption."""
+        if noise is not None and tuple(noise.shape[1:]) != (self.heads.num_routed, self.heads.num_kv_heads, 2):
+            raise ElasticError(
+                f"router noise must be (batch, {self.heads.num_routed}, {self.heads.num_kv_heads}, 2), "
+                f"got {tuple(noise.shape)}"
+            )
+        self._noise = noise
+
+    def preset_noise(self, layer: int, logits: torch.Tensor) -> torch.Tensor | None:
+        """The preset noise of routed layer ``layer`` for ``logits`` (B, Hkv, 2), or ``None``."""
+        if self._noise is None:
+            return None
+        noise = self._noise[:, layer]
+        if noise.shape != logits.shape:
+            raise ElasticError(
+                f"preset router noise {tuple(noise.shape)} does not fit the logits {tuple(logits.shape)} of this "
+                "batch; set_noise() with one row per sample of the batch"
+            )
+        return noise
 
     def extra_state(self) -> dict:
         """JSON-serialisable state saved beside the weights (e.g. calibrated head lists)."""

@@ -17,16 +17,24 @@ def gumbel_noise(shape: torch.Size | tuple[int, ...], *, device, generator: torc
 
 
 def gumbel_softmax_sparse_prob(
-    logits: torch.Tensor, tau: float, *, noise: bool, generator: torch.Generator | None = None
+    logits: torch.Tensor,
+    tau: float,
+    *,
+    noise: bool,
+    generator: torch.Generator | None = None,
+    gumbel: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Probability of the sparse class from 2-class logits ``(..., 2)`` (index 1 = sparse).
 
-    With ``noise`` this is the Gumbel-softmax relaxation at temperature ``tau``; without it, the
-    plain softmax (used for reporting and at inference, where the decision is the arg max).
+    With ``noise`` this is the Gumbel-softmax relaxation at temperature ``tau`` (``gumbel``: noise
+    drawn beforehand, of the logits' shape; otherwise it is drawn here); without it, the plain
+    softmax (used for reporting and at inference, where the decision is the arg max).
     """
     z = logits.float()
     if noise:
-        z = z + gumbel_noise(z.shape, device=z.device, generator=generator)
+        if gumbel is None:
+            gumbel = gumbel_noise(z.shape, device=z.device, generator=generator)
+        z = z + gumbel.to(device=z.device, dtype=z.dtype)
         z = z / tau
     return torch.softmax(z, dim=-1)[..., 1]
 
@@ -66,3 +74,19 @@ class TemperatureSchedule:
     def __call__(self, progress: float) -> float:
         p = progress * self.total_units
         return max(self.tau_min, self.tau_init * math.exp(-self.rate * p))
+
+
+def sample_noise(seeds: list[int], layers: int, heads: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(B, layers, heads, 2) Gumbel noise, sample ``b``'s drawn from its own seed ``seeds[b]``.
+
+    A sample's noise then depends on its seed alone, not on which process, micro-batch or
+    position it lands in: training is reproducible across resumption, gradient accumulation and
+    data-parallel layouts.
+    """
+    rows = []
+    for seed in seeds:
+        gen = torch.Generator().manual_seed(int(seed) % (2**63))
+        rows.append(gumbel_noise((layers, heads, 2), device="cpu", generator=gen))
+    if not rows:
+        return torch.zeros(0, layers, heads, 2, device=device)
+    return torch.stack(rows).to(device)

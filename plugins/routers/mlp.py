@@ -96,7 +96,9 @@ class MLPRouter(Router):
         pooled = boundary_pool(keys, seq, self.config.pool_tokens).to(module.task_mlp[0].weight.dtype)
         logits = module(pooled)  # (B, H, 2)
         if self.training:
-            prob = gumbel_softmax_sparse_prob(logits, self.temperature(), noise=True)
+            prob = gumbel_softmax_sparse_prob(
+                logits, self.temperature(), noise=True, gumbel=self.preset_noise(layer, logits)
+            )
             return RouterDecision(straight_through(prob), prob, logits)
         # softmax over two logits: P(sparse) = sigmoid(z1 - z0); arg max = P > 0.5
         prob = torch.sigmoid((logits[..., 1] - logits[..., 0]).float())

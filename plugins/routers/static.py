@@ -47,7 +47,9 @@ class StaticRouter(Router):
     def decide(self, layer: int, keys: torch.Tensor, seq: SeqInfo) -> RouterDecision:
         logits = self.logits[layer][None].expand(keys.shape[0], -1, -1)
         if self.training:
-            prob = gumbel_softmax_sparse_prob(logits, self.schedule(self.progress), noise=True)
+            prob = gumbel_softmax_sparse_prob(
+                logits, self.schedule(self.progress), noise=True, gumbel=self.preset_noise(layer, logits)
+            )
             return RouterDecision(straight_through(prob), prob, logits)
         prob = torch.softmax(logits.float(), dim=-1)[..., 1]
         return RouterDecision((prob > 0.5).float(), prob, logits)

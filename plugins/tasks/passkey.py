@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from elasticfw.errors import UnsupportedInputError
-from elasticfw.eval.task import Sample, Task, TaskConfig
+from elasticfw.eval.task import Sample, Split, Task, TaskConfig, check_split
 
 INTRO = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -25,7 +25,7 @@ QUESTION = "\nWhat is the pass key?"
 class PasskeyConfig(TaskConfig):
     name: Literal["passkey"] = "passkey"
     context_tokens: int = Field(1500, ge=64, le=1_000_000, description="Approximate prompt length in tokens.")
-    num_samples: int = Field(20, ge=1, description="Number of samples.")
+    num_samples: int = Field(20, ge=1, le=1_000_000, description="Number of samples (per split).")
     depths: list[float] | None = Field(
         None, description="Needle depths in [0, 1] cycled over samples; default: evenly spread 0.1..0.9."
     )
@@ -40,6 +40,8 @@ class PasskeyTask(Task):
     name = "passkey"
     config_class = PasskeyConfig
     config: PasskeyConfig
+    category = "sensitive"
+    default_max_new_tokens = 8
 
     def _depths(self) -> list[float]:
         cfg = self.config
@@ -61,15 +63,20 @@ class PasskeyTask(Task):
             text = body + "\n"
         return text + cfg.answer_prefix
 
-    def samples(self, tokenizer: Any, *, seed: int) -> list[Sample]:
+    def samples(self, tokenizer: Any, *, seed: int, split: Split = "eval") -> list[Sample]:
+        check_split(split)
         cfg = self.config
-        rng = random.Random(seed)
+        # the eval split keeps the historical seed; the train split draws keys from another stream
+        rng = random.Random(seed if split == "eval" else f"passkey-train-{seed}")
         filler_tokens = max(1, len(tokenizer(FILLER, add_special_tokens=False)["input_ids"]))
         overhead = len(tokenizer(self._render(tokenizer, INTRO + NEEDLE.format(key="0" * cfg.digits) + QUESTION),
                                  add_special_tokens=False)["input_ids"])
         repeats = max(1, (cfg.context_tokens - overhead) // filler_tokens)
+        depths = self._depths()
+        if split == "train" and not cfg.depths:  # training: random depths, not the evaluation grid
+            depths = [rng.uniform(0.05, 0.95) for _ in depths]
         out = []
-        for depth in self._depths():
+        for depth in depths:
             key = str(rng.randrange(10 ** (cfg.digits - 1), 10**cfg.digits))
             before = round(repeats * depth)
             needle = NEEDLE.format(key=key)
@@ -80,7 +87,12 @@ class PasskeyTask(Task):
             end_char = start_char + len(needle)
             toks = [i for i, (a, b) in enumerate(enc["offset_mapping"]) if a < end_char and b > start_char]
             span = (toks[0], toks[-1] + 1) if toks else None
-            out.append(Sample(list(enc["input_ids"]), key, span, {"depth": depth, "tokens": len(enc["input_ids"])}))
+            out.append(
+                Sample(
+                    list(enc["input_ids"]), key, span, {"depth": depth, "tokens": len(enc["input_ids"])},
+                    target=f" {key}.", answers=(key,), needle_spans=(span,) if span else (),
+                )
+            )
         return out
 
     def score(self, sample: Sample, completion: str) -> float:

@@ -1,0 +1,89 @@
+"""The ``train:`` section of a recipe: the plugin-independent settings of router training.
+
+The task mixture (``train.tasks``) and the baselines (``train.baselines``) hold plugin sections,
+so they are built with the registry in :mod:`elasticfw.recipe.schema`; everything else is here.
+Defaults are the paper's (arXiv 2601.17367, Table 6 and App. D.1).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+#: a sparsity target: one value t, or an interval [t_lo, t_hi] with no penalty inside
+Target = Union[float, tuple[float, float]]
+
+
+def check_target(value: Target | None) -> Target | None:
+    """A target is a number in [0, 1] or an interval [lo, hi] inside [0, 1] with lo <= hi."""
+    if value is None:
+        return None
+    values = (value,) if isinstance(value, (int, float)) else tuple(value)
+    for v in values:
+        if not math.isfinite(v) or not 0.0 <= v <= 1.0:
+            raise ValueError(f"a sparsity target must lie in [0, 1], got {v!r}")
+    if len(values) == 2 and values[0] > values[1]:
+        raise ValueError(f"a target interval [lo, hi] needs lo <= hi, got [{values[0]}, {values[1]}]")
+    return value
+
+
+def _paper_targets() -> dict[Literal["sensitive", "robust"], Target]:
+    return {"sensitive": 0.7, "robust": 1.0}
+
+
+class TrainSettings(BaseModel):
+    """Router training: the Lagrangian sparsity objective (paper Eq. 8) and its optimisation."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    steps: int = Field(300, ge=1, le=10_000_000, description="Optimiser steps (paper: 300).")
+    batch_size: int = Field(48, ge=1, le=1_000_000, description="Global batch: samples per optimiser step (paper: 48).")
+    micro_batch_size: int = Field(
+        4, ge=1, le=4096, description="Samples per forward pass; batch_size / (micro_batch_size x processes) are accumulated."
+    )
+    router_lr: float = Field(5e-4, gt=0, le=10, description="Peak learning rate of the router (paper: 5e-4).")
+    lambda_lr: float = Field(1e-3, gt=0, le=10, description="Learning rate of the Lagrange multipliers, by gradient ascent (paper: 1e-3).")
+    lambda_init: float = Field(0.0, ge=-1e3, le=1e3, description="Initial value of every Lagrange multiplier.")
+    weight_decay: float = Field(0.1, ge=0, le=10, description="AdamW weight decay of the router (paper: 0.1).")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas (paper: 0.9, 0.95).")
+    warmup_ratio: float = Field(0.2, ge=0, le=1, description="Linear warm-up over this fraction of the steps, then cosine decay (paper: 0.2).")
+    max_grad_norm: float | None = Field(None, gt=0, description="Clip the router's gradient norm (off in the paper).")
+    targets: dict[Literal["sensitive", "robust"], Target] = Field(
+        default_factory=lambda: _paper_targets(),
+        description="Default sparsity target per task category (paper: 0.7 sensitive, 1.0 robust); a task entry's `target` overrides it.",
+    )
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="auto: bf16 autocast on CUDA, fp32 elsewhere."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute the frozen backbone's decoder layers in the backward pass (memory at long context)."
+    )
+    checkpoint_every: int = Field(50, ge=1, description="Write a resumable checkpoint every N steps (and at the end).")
+    keep_checkpoints: int = Field(2, ge=1, description="How many of the latest checkpoints to keep.")
+    output_dir: str = Field("runs/train", min_length=1, description="The run folder (refused if it holds a run, unless --resume or --overwrite).")
+    evaluate: bool = Field(True, description="After training, evaluate on each task's held-back samples (and full attention on the same samples).")
+    eval_batch_size: int = Field(4, ge=1, le=4096, description="Samples per generate() call in the held-back evaluation.")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in value):
+            raise ValueError(f"AdamW betas must lie in [0, 1), got {list(value)}")
+        return value
+
+    @field_validator("targets")
+    @classmethod
+    def _targets(cls, value: dict[str, Target]) -> dict[str, Target]:
+        for target in value.values():
+            check_target(target)
+        return value
+
+    @model_validator(mode="after")
+    def _batches(self) -> TrainSettings:
+        if self.batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size ({self.micro_batch_size})"
+            )
+        return self

@@ -1,0 +1,135 @@
+"""Held-back evaluation after training: every trained router and full attention (the unmodified
+backbone) on the same eval-split samples of every training task; the summary JSON and table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from elasticfw.eval.generate import evaluate
+from elasticfw.model.checkpoint import load_adapter
+from elasticfw.provenance import environment
+from elasticfw.registry import Registry
+from elasticfw.training.data import MixtureTask
+from elasticfw.training.objective import target_bounds
+
+FULL = "full"
+
+
+def heldout_samples(recipe: Any, mixture: list[MixtureTask], tokenizer: Any) -> dict[str, tuple[Any, list[Any]]]:
+    """``eval_samples`` samples of the eval split of every task (its own pool, disjoint from training's)."""
+    out = {}
+    for entry, task in zip(recipe.train.tasks, mixture):
+        if entry.eval_samples == 0:
+            continue
+        plugin = type(task.task)(entry.task.model_copy(update={"num_samples": entry.eval_samples}))
+        out[task.label] = (plugin, plugin.samples(tokenizer, seed=recipe.seed, split="eval"))
+    return out
+
+
+def evaluate_heldout(
+    recipe: Any,
+    model: Any,
+    tokenizer: Any,
+    mixture: list[MixtureTask],
+    adapters: dict[str, Path],
+    *,
+    registry: Registry | None = None,
+    progress: bool = True,
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """{variant: {task label: summary + per-sample rows}} for full attention and each adapter."""
+    sets = heldout_samples(recipe, mixture, tokenizer)
+    settings = recipe.train
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    variants: list[tuple[str, Path | None]] = [(FULL, None), *adapters.items()]
+    for label, adapter in variants:
+        subject = model if adapter is None else load_adapter(model, adapter, registry=registry)
+        try:
+            per_task = {}
+            for task_label, (task, samples) in sets.items():
+                res = evaluate(subject, tokenizer, task, samples, batch_size=settings.eval_batch_size,
+                               max_new_tokens=task.max_new_tokens)
+                per_task[task_label] = {
+                    **res.summary(),
+                    "per_sample": [{"score": r.score, "msr": r.msr, "esr": r.esr, "tokens": r.tokens,
+                                    "completion": r.completion} for r in res.results],
+                }
+                if progress:
+                    s = per_task[task_label]
+                    print(f"  {label:<10} {task_label:<22} {task.metric} {s['accuracy']:.3f}  MSR {s['msr']:.3f}  "
+                          f"({s['samples']} samples, {s['seconds']:.0f}s)", flush=True)
+            results[label] = per_task
+        finally:
+            if adapter is not None:
+                subject.unwrap()
+    return results
+
+
+def summary_dict(recipe: Any, mixture: list[MixtureTask], evals: dict[str, Any], model: Any) -> dict[str, Any]:
+    """The run's summary: per router and task, MSR, accuracy and full attention's accuracy."""
+    import torch
+
+    full = evals.get(FULL, {})
+    routers: dict[str, Any] = {}
+    for label, per_task in evals.items():
+        if label == FULL:
+            continue
+        tasks = {}
+        for t in mixture:
+            if t.label not in per_task:
+                continue
+            r, f = per_task[t.label], full.get(t.label, {})
+            tasks[t.label] = {
+                "category": t.category,
+                "metric": t.task.metric,
+                "target": list(target_bounds(t.target)),
+                "msr": r["msr"],
+                "esr": r["esr"],
+                "accuracy": r["accuracy"],
+                "full_accuracy": f.get("accuracy"),
+                "samples": r["samples"],
+            }
+        routers[label] = {"tasks": tasks, **_means(tasks)}
+    device = next(model.parameters()).device
+    return {
+        "model": recipe.model.name,
+        "modes": f"{recipe.elastic.retrieval_mode.name}-{recipe.elastic.sparse_mode.name}",
+        "routers": routers,
+        "full": {k: {"accuracy": v["accuracy"], "samples": v["samples"]} for k, v in full.items()},
+        "train": {"steps": recipe.train.steps, "batch_size": recipe.train.batch_size},
+        "details": evals,
+        "recipe": recipe.model_dump(mode="json"),
+        "environment": environment(device if isinstance(device, torch.device) else torch.device("cpu")),
+    }
+
+
+def _means(tasks: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for cat in ("sensitive", "robust"):
+        rows = [t for t in tasks.values() if t["category"] == cat]
+        if rows:
+            out[f"{cat}_msr"] = sum(r["msr"] for r in rows) / len(rows)
+            out[f"{cat}_accuracy"] = sum(r["accuracy"] for r in rows) / len(rows)
+    if tasks:
+        out["mean_msr"] = sum(t["msr"] for t in tasks.values()) / len(tasks)
+    return out
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """A plain-text table: one row per task, score and MSR per router, full attention's score."""
+    routers = list(summary["routers"])
+    tasks: list[tuple[str, str]] = []
+    for r in routers:
+        for name, row in summary["routers"][r]["tasks"].items():
+            if (name, row["category"]) not in tasks:
+                tasks.append((name, row["category"]))
+    head = f"{'task':<22} {'category':<9} {'full':>6}" + "".join(f" {r + ' score':>14} {'MSR':>5}" for r in routers)
+    lines = [head, "-" * len(head)]
+    for name, cat in tasks:
+        full = summary["full"].get(name, {}).get("accuracy")
+        line = f"{name:<22} {cat:<9} {full if full is not None else float('nan'):>6.3f}"
+        for r in routers:
+            row = summary["routers"][r]["tasks"].get(name)
+            line += f" {row['accuracy']:>14.3f} {row['msr']:>5.2f}" if row else f" {'-':>14} {'-':>5}"
+        lines.append(line)
+    return "\n".join(lines)

@@ -1,0 +1,40 @@
+"""Data parallelism: 2 processes (torchrun, Gloo on the CPU) train like 1 process at the same global
+batch, and like 1 process with gradient accumulation."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elasticfw.training.logs import read_metrics
+
+WORKER = Path(__file__).parent / "ddp_train_worker.py"
+
+
+def _run(out: Path, procs: int, micro: int) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}", "--master_port=0",
+           str(WORKER), str(out), str(micro)] if procs > 1 else [sys.executable, str(WORKER), str(out), str(micro)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return read_metrics(out / "mlp")
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process(tmp_path):
+    one = _run(tmp_path / "one", 1, 4)  # one process, one micro-batch of 4
+    acc = _run(tmp_path / "acc", 1, 1)  # one process, 4 accumulated micro-batches of 1
+    two = _run(tmp_path / "two", 2, 2)  # two processes, 2 samples each
+    assert len(one) == len(two) == len(acc) == 3
+    for a, b, c in zip(one, two, acc):
+        for key in ("lm_loss", "reg_loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6)
+            assert c[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6)
+        assert b["msr"] == pytest.approx(a["msr"], abs=1e-6) and c["msr"] == pytest.approx(a["msr"], abs=1e-6)
+        assert b["lambda1"] == pytest.approx(a["lambda1"], rel=1e-4, abs=1e-7)
+    # only rank 0 wrote the run folder's files
+    assert (tmp_path / "two" / "mlp" / "adapter").is_dir()

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# GPU sessions in one script: install carried wheels, assemble the default model, check, run.
+#
+# The device machine lacks some packages (pydantic, omegaconf, gguf, datasets, rouge-score, ...)
+# and a call carries at most 64 MiB, less than the default model's 98 MB GGUF. So (see
+# docs/how-to/run-on-gpu.md, "On a lent machine"):
+#   call 1, carry [.whl, .gguf/a]:  bash tools/device-session.sh stage-a
+#   call 2, carry [.gguf/b]:        bash tools/device-session.sh stage-b -- <command ...>
+#   later calls while warm:         bash tools/device-session.sh run -- <command ...>
+# Every stage re-installs this checkout (no deps, editable), exports ELASTICFW_SMOLLM2_GGUF and a
+# cache folder, prints the versions, then runs the command with its wall time.
+set -euo pipefail
+STORE=/tmp/elasticfw-device
+SITE=$STORE/site
+GGUF=$STORE/SmolLM2-135M-Instruct.Q4_1.gguf
+SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+mkdir -p "$STORE"
+stage=${1:?stage-a | stage-b | run}; shift
+[ "${1:-}" = "--" ] && shift
+
+case "$stage" in
+  stage-a)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+    cp .gguf/a/part0 "$STORE/part0"
+    echo "stage-a: wheels in $SITE, GGUF part 0 kept; carry .gguf/b in the next call within 30 s"
+    ;;
+  stage-b)
+    [ -f "$STORE/part0" ] || { echo "stage-b: part 0 is gone (the machine went cold): run stage-a again" >&2; exit 3; }
+    cat "$STORE/part0" .gguf/b/part1 > "$GGUF.tmp"
+    echo "$SHA  $GGUF.tmp" | sha256sum -c - >/dev/null || { echo "GGUF sha256 mismatch" >&2; exit 3; }
+    mv "$GGUF.tmp" "$GGUF"; rm -f "$STORE/part0"
+    echo "stage-b: GGUF assembled, sha256 ok"
+    ;;
+  run) [ -f "$GGUF" ] || { echo "run: no GGUF (the machine went cold): stage-a and stage-b again" >&2; exit 3; } ;;
+  *) echo "unknown stage $stage" >&2; exit 2 ;;
+esac
+[ $# -eq 0 ] && exit 0
+
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export ELASTICFW_SMOLLM2_GGUF=$GGUF ELASTICFW_CACHE=$STORE/cache
+export ELASTICFW_COMMIT=${ELASTICFW_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 \
+  || python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .
+python3 - <<'PY'
+import torch, transformers, pydantic, datasets, elasticfw
+print(f"torch {torch.__version__} cuda {torch.version.cuda} gpus {torch.cuda.device_count()} "
+      f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-'}; transformers {transformers.__version__}; "
+      f"pydantic {pydantic.__version__}; datasets {datasets.__version__}")
+PY
+start=$(date +%s)
+"$@"
+echo "[device-session] command took $(( $(date +%s) - start )) s"
