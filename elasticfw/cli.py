@@ -9,6 +9,7 @@
     elasticfw train FILE [key=value ...] [--output DIR] [--resume | --overwrite]
                                                # train the router (Lagrangian objective), then evaluate
     elasticfw demo [key=value ...]             # the paper in miniature on the default model
+    elasticfw lm-eval --recipe R [--adapter A] <lm-eval args>   # lm-evaluation-harness on an elastic model
 
 Errors elasticfw raises on purpose print as one paragraph and exit with status 2; anything else
 is a bug and keeps its traceback.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from importlib import resources
 from pathlib import Path
@@ -26,6 +28,8 @@ from typing import Any
 import yaml
 
 from elasticfw.errors import ElasticError
+
+_OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*(\.[A-Za-z0-9_\-]+)*=")
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
@@ -122,9 +126,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from datetime import datetime
+
+    from elasticfw.training.run import run_training
+
     args.file = str(demo_recipe_path())
-    print(f"elasticfw demo: recipe {args.file}", flush=True)
-    return _cmd_compare(args)
+    output = args.output or f"runs/demo-{datetime.now():%Y%m%d-%H%M%S}"
+    print(f"elasticfw demo: recipe {args.file}, run folder {output}", flush=True)
+    run_training(_load(args), output=output)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="write the report JSON here (default: recipe output_dir or results/)")
     p.set_defaults(func=_cmd_eval)
 
+    from elasticfw.eval.lm_eval_backend import add_cli as add_lm_eval_cli
+
+    add_lm_eval_cli(sub)
+
     p = sub.add_parser("train", help="train the recipe's router (and baselines), then evaluate on held-back samples")
     p.add_argument("file")
     p.add_argument("overrides", nargs="*", help="dotted.key=value")
@@ -169,15 +183,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a run already in the folder")
     p.set_defaults(func=_cmd_train)
 
-    p = sub.add_parser("demo", help="full vs streaming vs retrieval-score heads on the default model")
-    p.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. eval.task.num_samples=4")
-    p.add_argument("--output", help="write the report JSON here")
+    p = sub.add_parser("demo", help="the paper in miniature: train the router and a static baseline, compare with full")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.steps=4")
+    p.add_argument("--output", help="the run folder (default: runs/demo-<date>-<time>)")
     p.set_defaults(func=_cmd_demo)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["lm-eval"]:  # lm-eval's own arguments may be mixed with ours: its parser takes them
+        from elasticfw.eval.lm_eval_backend import main as lm_eval_main
+
+        try:
+            return int(lm_eval_main(argv[1:]) or 0)
+        except ElasticError as exc:
+            print(f"elasticfw: error: {exc}", file=sys.stderr)
+            return 2
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # `train FILE --resume k=v`: overrides may also follow an option
+    stray = [x for x in extra if not (hasattr(args, "overrides") and _OVERRIDE.match(x))]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     if getattr(args, "kind", None) is not None:
         from elasticfw.registry import KINDS
 

@@ -160,7 +160,7 @@ class EchoTask(Task):
     name = "echo"
     config_class = EchoConfig
 
-    def samples(self, tokenizer: Any, *, seed: int) -> list[Sample]:
+    def samples(self, tokenizer: Any, *, seed: int, split: str = "eval") -> list[Sample]:
         return []
 
     def score(self, sample: Sample, completion: str) -> float:
@@ -172,7 +172,8 @@ def test_plugin_section_without_name_and_without_default() -> None:
     registry.register("task", EchoTask)
     with pytest.raises(RecipeError) as info:
         validate_recipe_data({"eval": {"task": {"num_samples": 3}}}, registry=registry)
-    assert "eval.task.name: required — which task plugin; registered: echo, passkey" in str(info.value)
+    expected = ", ".join(sorted([*load_registry().names("task"), "echo"]))
+    assert f"eval.task.name: required — which task plugin; registered: {expected}" in str(info.value)
     with pytest.raises(RecipeError, match=r"eval\.task\.name = 'ecko': unknown task 'ecko'; did you mean 'echo'"):
         validate_recipe_data({"eval": {"task": {"name": "ecko"}}}, registry=registry)
     recipe = validate_recipe_data({"eval": {"task": {"name": "echo"}}}, registry=registry)

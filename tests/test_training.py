@@ -324,3 +324,43 @@ def test_checkpoint_write_is_atomic_on_crash(registry, tmp_path, monkeypatch):
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-000002"
     assert (tmp_path / "checkpoints" / "step-000002" / "trainer_state.json").is_file()
     assert not (tmp_path / "checkpoints" / "step-000004").exists()
+
+
+def test_training_mix_gradient_is_sparse_minus_retrieval_output(registry):
+    """In the training forward, d O / d r = O_sparse − O_retrieval per KV-head group, with both
+    outputs built independently: SDPA with a hand-made causal mask and a hand-made streaming
+    window (token-exact: key j visible to i iff j <= i and (j < sink or j > i − local))."""
+    from elasticfw.routing.base import RouterDecision
+
+    sink, local = 3, 5
+    section = validate_recipe_data({"elastic": {
+        **TINY_ELASTIC,
+        "sparse_mode": {"name": "streaming", "sink_tokens": sink, "local_tokens": local, "block_size": 16,
+                        "granularity": "token"},
+        "executor": {"name": "reference"},
+    }}, registry=registry).elastic
+    from elasticfw.model.elastic import ElasticModel
+
+    elastic = ElasticModel(tiny_model("llama"), section, registry=registry).train()
+    runtime = elastic.runtime
+    torch.manual_seed(0)
+    b, hq, hkv, s, d = 2, 6, 2, 24, 16
+    q, k, v = torch.randn(b, hq, s, d), torch.randn(b, hkv, s, d), torch.randn(b, hkv, s, d)
+    r = torch.tensor([[0.0, 1.0], [1.0, 0.0]], requires_grad=True)
+    elastic.router.decide = lambda layer, keys, seq: RouterDecision(r, r)  # type: ignore[method-assign]
+    out = runtime.attend(0, q, k, v, None, scale=d**-0.5, sliding_window=None)
+    g = torch.randn_like(out)
+    (out * g).sum().backward()
+
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    causal = j <= i
+    stream = causal & ((j < sink) | (j > i - local))
+    kk, vv = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+    o_full = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=causal, scale=d**-0.5)
+    o_stream = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=stream, scale=d**-0.5)
+    per_q_head = (g * (o_stream - o_full)).sum((-1, -2))  # (b, hq)
+    want = per_q_head.view(b, hkv, hq // hkv).sum(-1)
+    assert torch.allclose(r.grad, want, atol=1e-4)
+    # and the forward value is the routed mode of each group, exactly
+    mask = r.detach().repeat_interleave(hq // hkv, 1)[:, :, None, None]
+    assert torch.allclose(out.detach(), mask * o_stream + (1 - mask) * o_full, atol=1e-5)

@@ -4,6 +4,7 @@ batch, and like 1 process with gradient accumulation."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +16,16 @@ from elasticfw.training.logs import read_metrics
 WORKER = Path(__file__).parent / "ddp_train_worker.py"
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _run(out: Path, procs: int, micro: int) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}", "--master_port=0",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}", "--master_addr=127.0.0.1",
+           f"--master_port={_free_port()}",
            str(WORKER), str(out), str(micro)] if procs > 1 else [sys.executable, str(WORKER), str(out), str(micro)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

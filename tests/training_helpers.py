@@ -26,6 +26,9 @@ class ByteTokenizer:
     def __call__(self, text: str, add_special_tokens: bool = False, **_: Any) -> dict[str, list[int]]:
         return {"input_ids": [b if b > 2 else 3 for b in text.encode("utf-8")]}
 
+    def get_vocab(self) -> dict[str, int]:
+        return {f"<{i}>": i for i in range(256)}
+
     def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
         ids = [int(i) for i in ids]
         return bytes(i for i in ids if i > 2 or not skip_special_tokens).decode("utf-8", errors="replace")

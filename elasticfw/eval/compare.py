@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticfw.errors import RecipeError
+from elasticfw.eval.dataset import samples_from_dataset, task_dataset
 from elasticfw.eval.generate import evaluate
 from elasticfw.model.loading import load_model, make_elastic
 from elasticfw.provenance import environment
@@ -51,7 +52,7 @@ def run_variants(recipe: Any, variants: list[tuple[str, Any]], *, out: str | Non
     _say(f"[elasticfw] loading model {recipe.model.name!r} ({recipe.model.dtype}, device {recipe.model.device})")
     model, tokenizer = load_model(recipe.model, registry=registry)
     task = registry.make("task", recipe.eval.task)
-    samples = task.samples(tokenizer, seed=recipe.seed)
+    samples = samples_from_dataset(task_dataset(task, tokenizer, seed=recipe.seed, split="eval"))
     lengths = [len(s.input_ids) for s in samples]
     _say(f"[elasticfw] {len(samples)} {task.name} samples, {min(lengths)}-{max(lengths)} tokens "
          f"(model ready in {time.perf_counter() - t0:.0f}s)")

@@ -86,6 +86,9 @@ class ElasticRuntime:
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
+        if torch.is_autocast_enabled(q.device.type):  # as SDPA under autocast: all three in the autocast dtype
+            dtype = torch.get_autocast_dtype(q.device.type)
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         can = canonicalize(q, k, v, info)
         for observer in self.observers:
             observer(layer_idx, can, scale)

@@ -177,6 +177,11 @@ def _build_models(registry_id: int, revision: int) -> type[BaseModel]:  # revisi
         __doc__="A router trained after the main one with the same settings and evaluated on the same samples.",
         label=(str | None, Field(None, min_length=1, description="Name in the summary (default: the router's name).")),
         router=(registry.config_union("router"), Field(..., description="The router to train.")),
+        router_lr=(
+            float | None,
+            Field(None, gt=0, le=10, description="Its own peak learning rate (default: train.router_lr); e.g. "
+                  "DuoAttention trains per-head gates at 0.02."),
+        ),
     )
     train = create_model(
         "TrainSection",

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from elasticfw.eval.dataset import samples_from_dataset, task_dataset
 from elasticfw.eval.generate import evaluate
 from elasticfw.model.checkpoint import load_adapter
 from elasticfw.provenance import environment
@@ -23,7 +24,7 @@ def heldout_samples(recipe: Any, mixture: list[MixtureTask], tokenizer: Any) -> 
         if entry.eval_samples == 0:
             continue
         plugin = type(task.task)(entry.task.model_copy(update={"num_samples": entry.eval_samples}))
-        out[task.label] = (plugin, plugin.samples(tokenizer, seed=recipe.seed, split="eval"))
+        out[task.label] = (plugin, samples_from_dataset(task_dataset(plugin, tokenizer, seed=recipe.seed, split="eval")))
     return out
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from elasticfw.errors import CheckpointError, TrainingError
+from elasticfw.eval.dataset import samples_from_dataset, task_dataset
 from elasticfw.eval.task import context_window
 from elasticfw.model.loading import load_model, make_elastic
 from elasticfw.registry import Registry, get_registry
@@ -50,7 +51,7 @@ def build_mixture(recipe: Any, tokenizer: Any, model: Any, registry: Registry) -
             raise TrainingError(
                 f"train.tasks.{index} ({label!r}): no sparsity target: set its `target` or train.targets.{category}"
             )
-        samples = task.samples(tokenizer, seed=recipe.seed, split="train")
+        samples = samples_from_dataset(task_dataset(task, tokenizer, seed=recipe.seed, split="train"))
         items = encode_targets(task, samples, tokenizer, index, label)
         check_items(label, items, context_window(model))
         mixture.append(MixtureTask(label, task, category, target, entry.weight, items))
@@ -78,12 +79,14 @@ def prepare_run_dir(path: Path, *, resume: bool, overwrite: bool, dist: DistCont
     dist.barrier()
 
 
-def _router_runs(recipe: Any) -> list[tuple[str, Any]]:
+def _router_runs(recipe: Any) -> list[tuple[str, Any, Any]]:
+    """(label, elastic section, train settings) of the recipe's router, then of each baseline."""
     main = recipe.elastic.router
-    runs = [(main.name, recipe.elastic)]
+    runs = [(main.name, recipe.elastic, recipe.train)]
     for b in recipe.train.baselines:
-        runs.append((b.label or b.router.name, recipe.elastic.model_copy(update={"router": b.router})))
-    labels = [label for label, _ in runs]
+        settings = recipe.train if b.router_lr is None else recipe.train.model_copy(update={"router_lr": b.router_lr})
+        runs.append((b.label or b.router.name, recipe.elastic.model_copy(update={"router": b.router}), settings))
+    labels = [label for label, _, _ in runs]
     if len(set(labels)) != len(labels):
         raise TrainingError(
             f"train.baselines: a baseline is called like the recipe's own router ({labels}); give it a `label`"
@@ -133,7 +136,7 @@ def run_training(
                  f"{min(lengths)}-{max(lengths)} tokens")
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         results: dict[str, TrainResult | Path] = {}
-        for label, elastic_section in _router_runs(recipe):
+        for label, elastic_section, settings in _router_runs(recipe):
             run_dir = root / label
             if resume and _finished(run_dir, recipe.train.steps):
                 _say(f"router {label!r}: already trained, kept")
@@ -148,7 +151,7 @@ def run_training(
             try:
                 _say(f"training router {label!r} ({elastic_section.retrieval_mode.name}-"
                      f"{elastic_section.sparse_mode.name}), {recipe.train.steps} steps x {recipe.train.batch_size} samples")
-                results[label] = train_router(elastic, mixture, recipe.train, run_dir, seed=recipe.seed, pad_id=pad_id,
+                results[label] = train_router(elastic, mixture, settings, run_dir, seed=recipe.seed, pad_id=pad_id,
                                               resume=again, dist=dist, progress=progress)
             finally:
                 elastic.unwrap()
