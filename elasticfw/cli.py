@@ -4,7 +4,7 @@
     elasticfw recipe validate FILE [key=value ...]
     elasticfw recipe show FILE [key=value ...]
     elasticfw recipe schema
-    elasticfw eval FILE [key=value ...]        # the recipe's elastic section on its eval task
+    elasticfw eval FILE [key=value ...] [--adapter DIR]   # the recipe's elastic section (or an adapter) on its task
     elasticfw compare FILE [key=value ...]     # run every variant of a recipe's `compare:` list
     elasticfw train FILE [key=value ...] [--output DIR] [--resume | --overwrite]
                                                # train the router (Lagrangian objective), then evaluate
@@ -114,7 +114,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from elasticfw.eval.compare import run_evaluation
 
-    run_evaluation(_load(args), out=args.output)
+    run_evaluation(_load(args), out=args.output, adapter=args.adapter)
     return 0
 
 
@@ -165,10 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="write the report JSON here (default: recipe output_dir or results/)")
     p.set_defaults(func=_cmd_compare)
 
-    p = sub.add_parser("eval", help="run the recipe's elastic section on its eval task")
+    p = sub.add_parser("eval", help="run the recipe's elastic section (or a trained adapter) on its eval task")
     p.add_argument("file")
     p.add_argument("overrides", nargs="*", help="dotted.key=value")
     p.add_argument("--output", help="write the report JSON here (default: recipe output_dir or results/)")
+    p.add_argument("--adapter", help="a trained adapter folder (e.g. RUN/mlp/adapter) instead of the recipe's elastic section")
     p.set_defaults(func=_cmd_eval)
 
     from elasticfw.eval.lm_eval_backend import add_cli as add_lm_eval_cli

@@ -364,3 +364,35 @@ def test_training_mix_gradient_is_sparse_minus_retrieval_output(registry):
     # and the forward value is the routed mode of each group, exactly
     mask = r.detach().repeat_interleave(hq // hkv, 1)[:, :, None, None]
     assert torch.allclose(out.detach(), mask * o_stream + (1 - mask) * o_full, atol=1e-5)
+
+
+def test_compare_runs_a_trained_adapter_like_the_trained_model(registry, tmp_path):
+    """A compare variant naming the adapter routes each held-out prompt exactly as the trained
+    elastic model did before it was saved."""
+    from elasticfw.eval.compare import run_comparison
+    from elasticfw.registry import set_registry
+
+    recipe, model, mixture, elastic = _setup(registry, tmp_path / "run", steps=2)
+    train_router(elastic, mixture, recipe.train, tmp_path / "run", seed=0, pad_id=0, progress=False)
+    from training_helpers import RecallConfig, RecallTask
+
+    samples = RecallTask(RecallConfig(num_samples=3)).samples(ByteTokenizer(), seed=0, split="eval")
+    want = []
+    with torch.no_grad():
+        for s in samples:
+            elastic(input_ids=torch.tensor([s.input_ids]))
+            want.append(float(elastic.routing.msr[0]))
+    data = tiny_train_recipe(tmp_path / "unused")
+    data.pop("train")
+    data["eval"] = {"task": {"name": "recall", "num_samples": 3}, "max_new_tokens": 2}
+    data["compare"] = [{"label": "trained", "adapter": str(tmp_path / "run" / "adapter")}]
+    set_registry(registry)
+    try:
+        report = run_comparison(validate_recipe_data(data, registry=registry), out=str(tmp_path / "report.json"))
+    finally:
+        set_registry(None)
+    got = [row["msr"] for row in report["rows"][0]["per_sample"]]
+    assert got == pytest.approx(want, abs=1e-6)
+    bad = dict(data, compare=[{"label": "x", "adapter": str(tmp_path)}])
+    with pytest.raises(RecipeError, match=r"compare.0.adapter = .*not an adapter folder"):
+        validate_recipe_data(bad, registry=registry)

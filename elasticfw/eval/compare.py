@@ -12,6 +12,7 @@ from typing import Any
 from elasticfw.errors import RecipeError
 from elasticfw.eval.dataset import samples_from_dataset, task_dataset
 from elasticfw.eval.generate import evaluate
+from elasticfw.model.checkpoint import load_adapter
 from elasticfw.model.loading import load_model, make_elastic
 from elasticfw.provenance import environment
 from elasticfw.registry import get_registry
@@ -36,15 +37,20 @@ def run_comparison(recipe: Any, *, out: str | None = None) -> dict[str, Any]:
     """Every variant of ``compare:`` on the same samples (``elasticfw compare``)."""
     if not recipe.compare:
         raise RecipeError("compare: the recipe has no `compare:` list of variants to run")
-    return run_variants(recipe, [(v.label, v.elastic) for v in recipe.compare], out=out, kind="compare")
+    return run_variants(recipe, [(v.label, v.elastic, v.adapter) for v in recipe.compare], out=out, kind="compare")
 
 
-def run_evaluation(recipe: Any, *, out: str | None = None) -> dict[str, Any]:
-    """The recipe's own ``elastic`` section on its ``eval`` task (``elasticfw eval``)."""
-    return run_variants(recipe, [("elastic", recipe.elastic)], out=out, kind="eval")
+def run_evaluation(recipe: Any, *, out: str | None = None, adapter: str | None = None) -> dict[str, Any]:
+    """The recipe's own ``elastic`` section on its ``eval`` task (``elasticfw eval``), or the trained
+    ``adapter`` (which carries its own elastic section)."""
+    if adapter is not None and not (Path(adapter) / "elastic_config.json").is_file():
+        raise RecipeError(f"--adapter {adapter!r} is not an adapter folder (no elastic_config.json in it)")
+    return run_variants(recipe, [("adapter" if adapter else "elastic", recipe.elastic, adapter)], out=out, kind="eval")
 
 
-def run_variants(recipe: Any, variants: list[tuple[str, Any]], *, out: str | None, kind: str) -> dict[str, Any]:
+def run_variants(
+    recipe: Any, variants: list[tuple[str, Any, str | None]], *, out: str | None, kind: str
+) -> dict[str, Any]:
     if recipe.eval is None:
         raise RecipeError(f"eval: required by `elasticfw {kind}` (it names the task and generation settings)")
     registry = get_registry()
@@ -57,11 +63,17 @@ def run_variants(recipe: Any, variants: list[tuple[str, Any]], *, out: str | Non
     _say(f"[elasticfw] {len(samples)} {task.name} samples, {min(lengths)}-{max(lengths)} tokens "
          f"(model ready in {time.perf_counter() - t0:.0f}s)")
     rows = []
-    for label, section in variants:
-        _say(f"[elasticfw] variant {label!r}: router {section.router.name}, "
-             f"{section.retrieval_mode.name}-{section.sparse_mode.name}")
-        elastic = make_elastic(model, tokenizer, section, registry=registry,
-                               base_model_name=recipe.model.name, seed=recipe.seed)
+    for label, section, adapter in variants:
+        if adapter is not None:
+            elastic = load_adapter(model, adapter, registry=registry)
+            section = elastic.elastic_config
+            _say(f"[elasticfw] variant {label!r}: adapter {adapter} (router {section.router.name}, "
+                 f"{section.retrieval_mode.name}-{section.sparse_mode.name})")
+        else:
+            _say(f"[elasticfw] variant {label!r}: router {section.router.name}, "
+                 f"{section.retrieval_mode.name}-{section.sparse_mode.name}")
+            elastic = make_elastic(model, tokenizer, section, registry=registry,
+                                   base_model_name=recipe.model.name, seed=recipe.seed)
 
         def progress(done: int, total: int, _label: str = label) -> None:
             print(f"\r  {_label}: {done}/{total} samples", end="" if done < total else "\n", flush=True)

@@ -152,6 +152,12 @@ def _build_models(registry_id: int, revision: int) -> type[BaseModel]:  # revisi
         __doc__="One row of a comparison: a label and the elastic section it runs with.",
         label=(str, Field(..., min_length=1, description="Row label in the report.")),
         elastic=(elastic, Field(..., description="The variant's elastic section (merged onto the recipe's).")),
+        adapter=(
+            str | None,
+            Field(None, description="A trained adapter folder (`elasticfw train` writes <run>/<router>/adapter): the "
+                  "variant runs it, with the elastic section stored in it (this variant's `elastic` is then unused)."),
+        ),
+        __validators__={"_adapter": field_validator("adapter")(_check_adapter_dir)},  # type: ignore[dict-item]
     )
     train_task = create_model(
         "TrainTask",
@@ -218,6 +224,12 @@ def _build_models(registry_id: int, revision: int) -> type[BaseModel]:  # revisi
         __validators__={"_variants": model_validator(mode="before")(merge_variants)},  # type: ignore[dict-item]
     )
     return recipe
+
+
+def _check_adapter_dir(value: str | None) -> str | None:
+    if value is not None and not (Path(value).expanduser() / "elastic_config.json").is_file():
+        raise ValueError(f"{value!r} is not an adapter folder (no elastic_config.json in it)")
+    return value
 
 
 def _check_target(value: Any) -> Any:
