@@ -216,9 +216,9 @@ def test_code_completion_longbench_framing_and_chat(tok: PreTrainedTokenizerFast
 
 
 def test_fewshot_answer_is_the_package_of_the_query_docstring(tok: PreTrainedTokenizerFast) -> None:
-    task = make("fewshot", num_samples=14, context_tokens=900)
+    task = make("fewshot", num_samples=2 * len(DEFAULT_LABELS), context_tokens=900)
     samples = task.samples(tok, seed=2)
-    # queries cycle through the labels: every label is asked twice in 14 samples
+    # queries cycle through the labels: every label is asked twice in 2 x labels samples
     assert Counter(s.answer for s in samples) == Counter({label: 2 for label in DEFAULT_LABELS})
     for s in samples:
         rel = s.meta["query_file"]
