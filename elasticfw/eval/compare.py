@@ -9,6 +9,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from elasticfw.atomic import atomic_write_text
 from elasticfw.errors import RecipeError
 from elasticfw.eval.dataset import samples_from_dataset, task_dataset
 from elasticfw.eval.generate import evaluate
@@ -97,7 +98,7 @@ def run_variants(
               "total_seconds": time.perf_counter() - t0}
     path = Path(out) if out else Path(recipe.output_dir or "results") / f"{kind}-{datetime.now():%Y%m%d-%H%M%S}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2))
+    atomic_write_text(path, json.dumps(report, indent=2))
     _say(f"\n[elasticfw] report written to {path}")
     sys.stdout.flush()
     return report

@@ -16,6 +16,7 @@ from typing import Any
 
 from safetensors.torch import load_file, save_file
 
+from elasticfw.atomic import atomic_write_text
 from elasticfw.errors import CheckpointError
 from elasticfw.registry import Registry, get_registry
 
@@ -44,7 +45,7 @@ def save_adapter(elastic: Any, path: str | Path) -> Path:
         "elastic": elastic.elastic_config.model_dump(mode="json"),
         "router_state": elastic.router.extra_state(),
     }
-    (out / CONFIG).write_text(json.dumps(meta, indent=2))
+    atomic_write_text(out / CONFIG, json.dumps(meta, indent=2))
     return out
 
 

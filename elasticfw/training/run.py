@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from elasticfw.atomic import atomic_write_text
 from elasticfw.errors import CheckpointError, TrainingError
 from elasticfw.eval.dataset import samples_from_dataset, task_dataset
 from elasticfw.eval.task import context_window
@@ -28,7 +29,6 @@ from elasticfw.model.loading import load_model, make_elastic
 from elasticfw.registry import Registry, get_registry
 from elasticfw.training.data import MixtureTask, check_items, encode_targets
 from elasticfw.training.distributed import DistContext, init_distributed, shutdown
-from elasticfw.training.state import atomic_write_text
 from elasticfw.training.trainer import TrainResult, train_router
 
 SUMMARY = "summary.json"

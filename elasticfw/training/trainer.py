@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from elasticfw.atomic import atomic_replace_dir
 from elasticfw.errors import CheckpointError, TrainingError, UnsupportedInputError
 from elasticfw.routing.gumbel import sample_noise
 from elasticfw.training.data import MixtureTask, collate, shard, step_slots
@@ -27,7 +28,6 @@ from elasticfw.training.distributed import DistContext
 from elasticfw.training.logs import MetricsLog, plot_msr, read_metrics
 from elasticfw.training.objective import Lagrangian, answer_cross_entropy, target_bounds
 from elasticfw.training.state import (
-    atomic_replace_dir,
     latest_checkpoint,
     load_optimizer,
     optimizer_tensors,
