@@ -10,7 +10,7 @@ import pytest
 import torch
 from training_helpers import TINY_ELASTIC, ByteTokenizer, tiny_train_recipe, training_registry
 
-from elasticfw.errors import RecipeError, TrainingError, UnsupportedInputError
+from elasticfw.errors import CheckpointError, RecipeError, TrainingError, UnsupportedInputError
 from elasticfw.model.checkpoint import load_adapter
 from elasticfw.model.loading import make_elastic
 from elasticfw.recipe import validate_recipe_data
@@ -396,3 +396,31 @@ def test_compare_runs_a_trained_adapter_like_the_trained_model(registry, tmp_pat
     bad = dict(data, compare=[{"label": "x", "adapter": str(tmp_path)}])
     with pytest.raises(RecipeError, match=r"compare.0.adapter = .*not an adapter folder"):
         validate_recipe_data(bad, registry=registry)
+
+
+def test_resume_refuses_a_changed_schedule_and_tolerates_a_torn_metrics_line(registry, tmp_path):
+    recipe, _, mixture, elastic = _setup(registry, tmp_path, steps=2)
+    train_router(elastic, mixture, recipe.train, tmp_path, seed=0, pad_id=0, progress=False)
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "lm_lo')  # a write cut short by a crash
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    recipe, _, mixture, elastic = _setup(registry, tmp_path, steps=4)
+    with pytest.raises(CheckpointError, match=r"trained with steps=2, the recipe now has 4"):
+        train_router(elastic, mixture, recipe.train, tmp_path, seed=0, pad_id=0, progress=False, resume=True)
+    with pytest.raises(RecipeError, match=r"baselines.0.label"):
+        validate_recipe_data(tiny_train_recipe(tmp_path, baselines=[{"label": "../x", "router": {"name": "static"}}]),
+                             registry=registry)
+
+
+def test_a_backbone_changed_in_place_during_training_is_reported(registry, tmp_path, monkeypatch):
+    recipe, model, mixture, elastic = _setup(registry, tmp_path, steps=2)
+    real = trainer_module._row
+
+    def tamper(*args, **kwargs):
+        with torch.no_grad():
+            next(model.parameters()).add_(1e-3)  # a bug that writes into the frozen weights
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "_row", tamper)
+    with pytest.raises(TrainingError, match="the frozen backbone changed during training"):
+        train_router(elastic, mixture, recipe.train, tmp_path, seed=0, pad_id=0, progress=False)

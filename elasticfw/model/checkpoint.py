@@ -50,7 +50,7 @@ def save_adapter(elastic: Any, path: str | Path) -> Path:
 
 
 def read_adapter_config(path: str | Path) -> dict[str, Any]:
-    cfg = Path(path) / CONFIG
+    cfg = Path(path).expanduser() / CONFIG
     if not cfg.is_file():
         raise CheckpointError(f"{str(path)!r} is not an elasticfw adapter: {CONFIG} is missing")
     try:
@@ -95,7 +95,7 @@ def load_adapter(model: Any, path: str | Path, *, registry: Registry | None = No
             f"adapter {str(path)!r} routes layers {meta['routed_layers']} but this model routes "
             f"{list(elastic.heads.routed_layers)}"
         )
-    weights = Path(path) / WEIGHTS
+    weights = Path(path).expanduser() / WEIGHTS
     if not weights.is_file():
         elastic.unwrap()
         raise CheckpointError(f"adapter {str(path)!r}: {WEIGHTS} is missing")

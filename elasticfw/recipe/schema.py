@@ -42,6 +42,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 PaddingSide = Literal["left", "right"]
 Category = Literal["sensitive", "robust"]
+_LABEL = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"  # also a folder name in run folders: no '/', no '..' prefix
 
 
 class Section(BaseModel):
@@ -165,7 +166,8 @@ def _build_models(registry_id: int, revision: int) -> type[BaseModel]:  # revisi
         __doc__="One task of the training mixture, with its sparsity target.",
         __validators__={"_target": field_validator("target")(_check_target)},  # type: ignore[dict-item]
         task=(registry.config_union("task"), Field(..., description="The task plugin; its num_samples is the training pool.")),
-        label=(str | None, Field(None, min_length=1, description="Name in logs and summaries (default: the task's name).")),
+        label=(str | None, Field(None, min_length=1, max_length=100, pattern=_LABEL,
+                                 description="Name in logs and summaries (default: the task's name).")),
         category=(
             Category | None,
             Field(None, description="sensitive or robust (default: the task's own); picks the default target."),
@@ -181,7 +183,8 @@ def _build_models(registry_id: int, revision: int) -> type[BaseModel]:  # revisi
         "TrainBaseline",
         __base__=Section,
         __doc__="A router trained after the main one with the same settings and evaluated on the same samples.",
-        label=(str | None, Field(None, min_length=1, description="Name in the summary (default: the router's name).")),
+        label=(str | None, Field(None, min_length=1, max_length=100, pattern=_LABEL,
+                                 description="Name in the summary and its folder in the run (default: the router's name).")),
         router=(registry.config_union("router"), Field(..., description="The router to train.")),
         router_lr=(
             float | None,
@@ -248,6 +251,8 @@ def _check_train_labels(section: Any) -> Any:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ValueError(f"two baselines are both called {dupes[0]!r}; give each a distinct `label`")
+    if "full" in names:
+        raise ValueError("a baseline may not be called 'full': the summary reserves it for full attention")
     return section
 
 

@@ -9,6 +9,7 @@ process and N processes compute the same gradients up to floating-point summatio
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -69,7 +70,11 @@ def init_distributed(device_spec: str) -> DistContext:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+        # rank 0 evaluates alone after training while the others wait: allow hours, not NCCL's 10 minutes
+        dist.init_process_group(
+            backend="nccl" if use_cuda else "gloo", device_id=device if use_cuda else None,
+            timeout=datetime.timedelta(hours=6),
+        )
     return DistContext(rank, world, local_rank, device)
 
 

@@ -94,6 +94,15 @@ def _router_runs(recipe: Any) -> list[tuple[str, Any, Any]]:
     return runs
 
 
+def _has_checkpoint(run_dir: Path) -> bool:
+    from elasticfw.training.state import latest_checkpoint
+
+    try:
+        return latest_checkpoint(run_dir) is not None
+    except CheckpointError:
+        return False
+
+
 def _finished(run_dir: Path, steps: int) -> bool:
     """A router folder whose adapter was written after its last step."""
     from elasticfw.training.state import latest_checkpoint
@@ -120,6 +129,7 @@ def run_training(
     registry = registry or get_registry()
     dist = init_distributed(recipe.model.device)
     try:
+        runs = _router_runs(recipe)  # label clashes are refused before anything is loaded
         root = Path(output or recipe.train.output_dir)
         prepare_run_dir(root, resume=resume, overwrite=overwrite, dist=dist)
         section = recipe.model
@@ -129,20 +139,24 @@ def run_training(
         model, tokenizer = load_model(section, registry=registry)
         if dist.is_main:
             atomic_write_text(root / "recipe.yaml", yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+        if not dist.is_main:  # rank 0 fills the sample cache first; the others then read it
+            dist.barrier()
         mixture = build_mixture(recipe, tokenizer, model, registry)
+        if dist.is_main:
+            dist.barrier()
         for t in mixture:
             lengths = [it.length for it in t.items]
             _say(f"task {t.label!r} ({t.category}, target {t.target}): {len(t.items)} training samples, "
                  f"{min(lengths)}-{max(lengths)} tokens")
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         results: dict[str, TrainResult | Path] = {}
-        for label, elastic_section, settings in _router_runs(recipe):
+        for label, elastic_section, settings in runs:
             run_dir = root / label
             if resume and _finished(run_dir, recipe.train.steps):
                 _say(f"router {label!r}: already trained, kept")
                 results[label] = run_dir / "adapter"
                 continue
-            again = resume and run_dir.is_dir() and (run_dir / "checkpoints").is_dir()
+            again = resume and _has_checkpoint(run_dir)
             if dist.is_main:
                 run_dir.mkdir(parents=True, exist_ok=True)
             dist.barrier()

@@ -87,8 +87,10 @@ def checkpointed_backbone(model: Any, enabled: bool):
         model.gradient_checkpointing_disable()
 
 
-def _backbone_digest(model: Any) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+def _backbone_versions(model: Any) -> dict[str, int]:
+    """Autograd version counter of every parameter and buffer: any in-place change bumps it (no copy
+    of the weights, which would double the memory of a large backbone)."""
+    return {k: v._version for k, v in model.state_dict(keep_vars=True).items()}
 
 
 def train_router(
@@ -128,8 +130,7 @@ def train_router(
     )
     start = 0
     if resume:
-        start = _restore(run_dir, elastic, lagrangian, optimizer, lambda_opt, scheduler, mixture)
-    frozen = _backbone_digest(elastic.base) if check_frozen else None
+        start = _restore(run_dir, elastic, lagrangian, optimizer, lambda_opt, scheduler, mixture, settings, seed)
 
     model: Any = elastic
     if dist.enabled:
@@ -137,6 +138,7 @@ def train_router(
 
         ids = [device.index] if device.type == "cuda" else None
         model = DistributedDataParallel(elastic, device_ids=ids, broadcast_buffers=False)
+    frozen = _backbone_versions(elastic.base) if check_frozen else None  # after DDP's initial broadcast
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     log = MetricsLog(run_dir, resume_step=start if resume else None) if dist.is_main else None
@@ -176,6 +178,7 @@ def train_router(
                             out = model(
                                 input_ids=batch.input_ids,
                                 attention_mask=batch.attention_mask,
+                                position_ids=(batch.attention_mask.cumsum(-1) - 1).clamp_min(0),
                                 logits_to_keep=batch.keep,
                                 use_cache=False,
                             )
@@ -223,7 +226,7 @@ def train_router(
                 done = step + 1
                 if done % settings.checkpoint_every == 0 or done == settings.steps:
                     if dist.is_main:
-                        _save(run_dir, done, elastic, lagrangian, optimizer, lambda_opt, scheduler, mixture, settings)
+                        _save(run_dir, done, elastic, lagrangian, optimizer, lambda_opt, scheduler, mixture, settings, seed)
                     dist.barrier()
     finally:
         elastic.router.set_noise(None)
@@ -234,9 +237,9 @@ def train_router(
         if log is not None:
             log.close()
     if frozen is not None:
-        for key, value in elastic.base.state_dict().items():
-            if not torch.equal(value, frozen[key]):
-                raise TrainingError(f"the frozen backbone changed during training ({key}); this is a bug")
+        changed = [k for k, v in _backbone_versions(elastic.base).items() if v != frozen.get(k)]
+        if changed or any(p.requires_grad for p in elastic.base.parameters()):
+            raise TrainingError(f"the frozen backbone changed during training ({changed[:3]}); this is a bug")
     adapter = run_dir / "adapter"
     if dist.is_main:
         atomic_replace_dir(adapter, elastic.save_adapter)
@@ -276,7 +279,7 @@ def _row(step, stats, mixture, lagrangian, lm_loss, reg_loss, lr, grad_norm, ela
     }
 
 
-def _save(run_dir, step, elastic, lagrangian, optimizer, lambda_opt, scheduler, mixture, settings) -> None:
+def _save(run_dir, step, elastic, lagrangian, optimizer, lambda_opt, scheduler, mixture, settings, seed) -> None:
     r_tensors, r_meta = optimizer_tensors(optimizer, "router_opt")
     l_tensors, l_meta = optimizer_tensors(lambda_opt, "lambda_opt")
     tensors = {**r_tensors, **l_tensors, "lagrangian.lambda1": lagrangian.lambda1, "lagrangian.lambda2": lagrangian.lambda2}
@@ -288,11 +291,12 @@ def _save(run_dir, step, elastic, lagrangian, optimizer, lambda_opt, scheduler, 
         "targets": [list(target_bounds(t.target)) for t in mixture],
         "steps": settings.steps,
         "batch_size": settings.batch_size,
+        "seed": seed,
     }
     save_checkpoint(run_dir, step, elastic, tensors, meta, keep=settings.keep_checkpoints)
 
 
-def _restore(run_dir, elastic, lagrangian, optimizer, lambda_opt, scheduler, mixture) -> int:
+def _restore(run_dir, elastic, lagrangian, optimizer, lambda_opt, scheduler, mixture, settings, seed) -> int:
     from safetensors.torch import load_file
 
     from elasticfw.model.checkpoint import WEIGHTS, read_adapter_config
@@ -302,6 +306,12 @@ def _restore(run_dir, elastic, lagrangian, optimizer, lambda_opt, scheduler, mix
         raise CheckpointError(f"--resume: {run_dir} has no checkpoint to resume from (checkpoints/latest is missing)")
     tensors, meta = read_checkpoint(ckpt)
     labels = [t.label for t in mixture]
+    for key, now in (("steps", settings.steps), ("batch_size", settings.batch_size), ("seed", seed)):
+        if key in meta and meta[key] != now:
+            raise CheckpointError(
+                f"--resume: checkpoint {ckpt} was trained with {key}={meta[key]}, the recipe now has {now}; the "
+                "steps' samples and the schedule would differ (start a new run, or resume with the old value)"
+            )
     if meta.get("tasks") != labels or meta.get("targets") != [list(target_bounds(t.target)) for t in mixture]:
         raise CheckpointError(
             f"--resume: checkpoint {ckpt} was trained on tasks {meta.get('tasks')} with targets {meta.get('targets')}; "
@@ -326,4 +336,13 @@ def _restore(run_dir, elastic, lagrangian, optimizer, lambda_opt, scheduler, mix
     sched = dict(meta["scheduler"])
     sched.pop("lr_lambdas", None)
     scheduler.load_state_dict(sched | {"lr_lambdas": [None]})
-    return int(meta["step"])
+    # the recipe's rates win over the saved ones (e.g. a lower lr after a non-finite loss); unchanged
+    # settings give back exactly the saved values
+    start = int(meta["step"])
+    scheduler.base_lrs = [settings.router_lr for _ in scheduler.base_lrs]
+    for group in optimizer.param_groups:
+        group.update(initial_lr=settings.router_lr, weight_decay=settings.weight_decay, betas=settings.betas,
+                     lr=settings.router_lr * cosine_with_warmup(start, settings.steps, settings.warmup_ratio))
+    for group in lambda_opt.param_groups:
+        group["lr"] = settings.lambda_lr
+    return start
