@@ -22,8 +22,9 @@ def _version(module: str) -> str | None:
 
 
 def git_commit() -> dict[str, Any]:
-    """HEAD of the checkout this module lives in (and whether the tree differs from it), else
-    ``$ELASTICFW_COMMIT`` (copies of the repository without ``.git``)."""
+    """``$ELASTICFW_COMMIT`` when set (copies of the repository whose ``.git`` is missing or stale, e.g.
+    on a lent GPU machine), else HEAD of the checkout this module lives in (and whether the tree
+    differs from it)."""
     root = Path(__file__).resolve().parents[1]
 
     def git(*cmd: str) -> str:
@@ -31,6 +32,8 @@ def git_commit() -> dict[str, Any]:
         return out.stdout.strip()
 
     env = os.environ.get("ELASTICFW_COMMIT")
+    if env:
+        return {"git_commit": env, "git_dirty": None}
     try:
         if Path(git("rev-parse", "--show-toplevel")).resolve() != root:
             raise subprocess.SubprocessError("not the elasticfw checkout")
