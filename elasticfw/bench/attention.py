@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import yaml
 
+from elasticfw.atomic import atomic_write_text
 from elasticfw.attention.flex_mask import to_block_mask
 from elasticfw.attention.layout import BlockLayout, causal_layout, esr, select_heads
 from elasticfw.attention.mode import AttentionMode
@@ -609,7 +610,7 @@ def _write(path: Path, report: dict[str, Any], rec: Recorder) -> None:
     data = dict(
         report, summary=summarize(rec.rows, report["baseline"]), results=rec.rows, failures=rec.failures
     )
-    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 if __name__ == "__main__":

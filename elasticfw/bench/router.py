@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from elasticfw.atomic import atomic_write_text
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.provenance import environment
 from elasticfw.registry import get_registry
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    atomic_write_text(out, json.dumps(report, indent=2))
     print(f"wrote {out}")
     return 0
 
