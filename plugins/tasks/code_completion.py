@@ -232,6 +232,25 @@ _SIMPLE_STATEMENTS = (
 )
 
 
+
+def definitions(tree: ast.Module) -> list[tuple[str, ast.AST]]:
+    """(qualified name, node) of every function and class of a module, in source order (the fewshot and
+    summary tasks read their examples from these)."""
+    out: list[tuple[str, ast.AST]] = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                qualname = f"{prefix}{child.name}"
+                out.append((qualname, child))
+                visit(child, qualname + ".")
+            else:
+                visit(child, prefix)
+
+    visit(tree, "")
+    return out
+
+
 class CodeCompletionConfig(TaskConfig):
     name: Literal["code_completion"] = "code_completion"
     context_tokens: int = Field(

@@ -48,6 +48,7 @@ from elasticfw.eval.metrics import exact_match
 from elasticfw.eval.task import Sample, Split, Task, TaskConfig, check_split
 from elasticfw_plugins.tasks.code_completion import (
     check_length,
+    definitions,
     n_tokens,
     parse_source,
     render_prompt,
@@ -86,23 +87,6 @@ def docstring_summary(doc: str) -> str:
     return " ".join(doc.strip().split("\n\n", 1)[0].split())
 
 
-def _definitions(tree: ast.Module) -> list[tuple[str, ast.AST]]:
-    """(qualified name, node) of every function and class, in source order."""
-    out: list[tuple[str, ast.AST]] = []
-
-    def visit(node: ast.AST, prefix: str) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                qualname = f"{prefix}{child.name}"
-                out.append((qualname, child))
-                visit(child, qualname + ".")
-            else:
-                visit(child, prefix)
-
-    visit(tree, "")
-    return out
-
-
 @lru_cache(maxsize=8)
 def labelled_items(labels: tuple[str, ...], min_words: int = 3, max_words: int = 30) -> tuple[Item, ...]:
     """Every usable example of the packages ``labels``, over both splits, in corpus order."""
@@ -114,7 +98,7 @@ def labelled_items(labels: tuple[str, ...], min_words: int = 3, max_words: int =
         tree = parse_source(rel)
         if tree is None:
             continue
-        for qualname, node in _definitions(tree):
+        for qualname, node in definitions(tree):
             doc = ast.get_docstring(node)  # type: ignore[arg-type]
             if not doc:
                 continue

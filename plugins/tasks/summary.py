@@ -46,6 +46,7 @@ from elasticfw.eval.task import Sample, Split, Task, TaskConfig, check_split
 from elasticfw_plugins.tasks.code_completion import (
     TokenizedFile,
     check_length,
+    definitions,
     may_hold,
     n_tokens,
     parse_source,
@@ -81,20 +82,9 @@ def _docstring_summary(doc: str) -> tuple[str, str]:
 
 
 def _functions(tree: ast.Module) -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
-    out: list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]] = []
-
-    def visit(node: ast.AST, prefix: str) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                qualname = f"{prefix}{child.name}"
-                if not isinstance(child, ast.ClassDef):
-                    out.append((qualname, child))
-                visit(child, qualname + ".")
-            else:
-                visit(child, prefix)
-
-    visit(tree, "")
-    return out
+    """(qualified name, node) of every function and method, in source order."""
+    return [(name, node) for name, node in definitions(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
 
 def remove_summary(lines: list[str], fn: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:
