@@ -5,7 +5,9 @@
     elasticfw recipe show FILE [key=value ...]
     elasticfw recipe schema
     elasticfw eval FILE [key=value ...] [--adapter DIR]   # the recipe's elastic section (or an adapter) on its task
-    elasticfw compare FILE [key=value ...]     # run every variant of a recipe's `compare:` list
+    elasticfw compare FILE [key=value ...] [--output DIR] [--resume | --overwrite] [--no-report]
+                                               # sweep the `compare:` variants x tasks x lengths x seeds
+    elasticfw report RUN                       # rebuild a sweep's tables, figures and HTML from its rows
     elasticfw train FILE [key=value ...] [--output DIR] [--resume | --overwrite]
                                                # train the router (Lagrangian objective), then evaluate
     elasticfw demo [key=value ...]             # the paper in miniature on the default model
@@ -104,15 +106,25 @@ def demo_recipe_path() -> Path:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from elasticfw.eval.compare import run_comparison
+    from elasticfw.eval.sweep import run_sweep
 
-    recipe = _load(args)
-    run_comparison(recipe, out=args.output)
+    run_sweep(_load(args), output=args.output, resume=args.resume, overwrite=args.overwrite,
+              report=not args.no_report)
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from elasticfw.report import build_report
+
+    written = build_report(Path(args.run))
+    for kind, paths in written.items():
+        for path in paths:
+            print(f"{kind:<8} {path}")
     return 0
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from elasticfw.eval.compare import run_evaluation
+    from elasticfw.eval.run_eval import run_evaluation
 
     run_evaluation(_load(args), out=args.output, adapter=args.adapter)
     return 0
@@ -159,11 +171,18 @@ def build_parser() -> argparse.ArgumentParser:
     rp = rsub.add_parser("schema", help="JSON schema of recipes (with the installed plugins)")
     rp.set_defaults(func=_cmd_schema)
 
-    p = sub.add_parser("compare", help="run a recipe's compare: variants on the same samples")
+    p = sub.add_parser("compare", help="sweep the recipe's compare: variants over its tasks, lengths and seeds")
     p.add_argument("file")
     p.add_argument("overrides", nargs="*", help="dotted.key=value")
-    p.add_argument("--output", help="write the report JSON here (default: recipe output_dir or results/)")
+    p.add_argument("--output", help="the sweep's run folder (default: the recipe's sweep.output_dir)")
+    p.add_argument("--resume", action="store_true", help="continue the sweep in the folder, skipping finished samples")
+    p.add_argument("--overwrite", action="store_true", help="replace a sweep already in the folder")
+    p.add_argument("--no-report", action="store_true", help="only the rows; build the report later with `elasticfw report`")
     p.set_defaults(func=_cmd_compare)
+
+    p = sub.add_parser("report", help="rebuild a sweep's tables, figures and HTML report from its rows")
+    p.add_argument("run", help="the sweep's run folder (it holds sweep.json and rows.jsonl)")
+    p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser("eval", help="run the recipe's elastic section (or a trained adapter) on its eval task")
     p.add_argument("file")

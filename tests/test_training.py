@@ -369,8 +369,8 @@ def test_training_mix_gradient_is_sparse_minus_retrieval_output(registry):
 def test_compare_runs_a_trained_adapter_like_the_trained_model(registry, tmp_path):
     """A compare variant naming the adapter routes each held-out prompt exactly as the trained
     elastic model did before it was saved."""
-    from elasticfw.eval.compare import run_comparison
-    from elasticfw.registry import set_registry
+    from elasticfw.eval.rows import read_rows
+    from elasticfw.eval.sweep import run_sweep
 
     recipe, model, mixture, elastic = _setup(registry, tmp_path / "run", steps=2)
     train_router(elastic, mixture, recipe.train, tmp_path / "run", seed=0, pad_id=0, progress=False)
@@ -386,12 +386,9 @@ def test_compare_runs_a_trained_adapter_like_the_trained_model(registry, tmp_pat
     data.pop("train")
     data["eval"] = {"task": {"name": "recall", "num_samples": 3}, "max_new_tokens": 2}
     data["compare"] = [{"label": "trained", "adapter": str(tmp_path / "run" / "adapter")}]
-    set_registry(registry)
-    try:
-        report = run_comparison(validate_recipe_data(data, registry=registry), out=str(tmp_path / "report.json"))
-    finally:
-        set_registry(None)
-    got = [row["msr"] for row in report["rows"][0]["per_sample"]]
+    out = run_sweep(validate_recipe_data(data, registry=registry), output=str(tmp_path / "sweep"), registry=registry,
+                    progress=False, report=False)
+    got = [row["msr"] for row in read_rows(out / "rows.jsonl")[0]]
     assert got == pytest.approx(want, abs=1e-6)
     bad = dict(data, compare=[{"label": "x", "adapter": str(tmp_path)}])
     with pytest.raises(RecipeError, match=r"compare.0.adapter = .*not an adapter folder"):

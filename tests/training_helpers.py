@@ -89,6 +89,23 @@ class RepeatTask(_Synth):
         return Sample(list(text.encode()), key, target=key, answers=(key,))
 
 
+class FixedPromptConfig(TaskConfig):
+    name: Literal["fixed_prompt"] = "fixed_prompt"
+
+
+class FixedPromptTask(Task):
+    """One fixed prompt, no length to vary (a task without ``context_tokens``)."""
+
+    name = "fixed_prompt"
+    config_class = FixedPromptConfig
+
+    def samples(self, tokenizer: Any, *, seed: int, split: Split = "eval") -> list[Sample]:
+        return [Sample(list(b"A:abcdefgh?"), "A") for _ in range(self.config.num_samples)]
+
+    def score(self, sample: Sample, completion: str) -> float:
+        return float(completion[:1] == sample.answer)
+
+
 class TinySource:
     """Model source plugin ``tiny-llama``: a tiny random Llama with the byte tokenizer."""
 
@@ -111,6 +128,7 @@ class _Plugin:
     def elasticfw_register_tasks(register: Any) -> None:
         register(RecallTask)
         register(RepeatTask)
+        register(FixedPromptTask)
 
     @staticmethod
     @hookimpl

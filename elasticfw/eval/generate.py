@@ -14,12 +14,26 @@ from elasticfw.eval.task import Sample, Task, check_context, context_window
 
 @dataclass
 class SampleResult:
+    """One sample's completion and score, its routing and its batch's timing.
+
+    ``decisions`` lists, per routed layer, each KV head's decision (1: sparse mode, 0: retrieval
+    mode); ``None`` for a plain model. ``prefill_seconds`` is the sample's share of its batch's
+    prefill time (apportioned by prompt tokens), so the shares of a set of samples add up to the
+    time their batches took."""
+
     completion: str
     score: float
     msr: float
     esr: float
     esr_last_layer: float
     tokens: int
+    decisions: list[list[int]] | None = None
+    routed_layers: list[int] | None = None
+    prefill_seconds: float = 0.0
+    batch_prefill_seconds: float = 0.0
+    generate_seconds: float = 0.0
+    batch_size: int = 1
+    batch_tokens: int = 0
 
 
 @dataclass
@@ -51,6 +65,88 @@ def pad_batch(samples: list[Sample], pad_id: int, side: str, device: torch.devic
     return ids.to(device), mask.to(device)
 
 
+class PrefillTimer:
+    """Wall time of the first forward call of ``module`` inside the block: the prefill of a
+    ``generate()`` call (CUDA work is synchronised on both sides)."""
+
+    def __init__(self, module: torch.nn.Module, device: torch.device) -> None:
+        self.module, self.device = module, device
+        self.seconds: float | None = None
+        self._start: float | None = None
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _pre(self, *_: Any, **__: Any) -> None:
+        if self._start is None:
+            self._sync()
+            self._start = time.perf_counter()
+
+    def _post(self, *_: Any, **__: Any) -> None:
+        if self.seconds is None and self._start is not None:
+            self._sync()
+            self.seconds = time.perf_counter() - self._start
+
+    def __enter__(self) -> PrefillTimer:
+        self._handles = [self.module.register_forward_pre_hook(self._pre), self.module.register_forward_hook(self._post)]
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+@torch.no_grad()
+def generate_batch(
+    elastic: Any,
+    tokenizer: Any,
+    task: Task,
+    batch: list[Sample],
+    *,
+    max_new_tokens: int,
+    padding_side: str = "left",
+) -> list[SampleResult]:
+    """Greedy-generate one padded batch, score it, and time its prefill and its whole generate()."""
+    model = getattr(elastic, "base", elastic)
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids, mask = pad_batch(batch, pad_id, padding_side, device)
+    with PrefillTimer(model, device) as timer:
+        start = time.perf_counter()
+        out = elastic.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id
+        )
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        total = time.perf_counter() - start
+    prefill = timer.seconds if timer.seconds is not None else total
+    routing = elastic.routing if model is not elastic else None
+    decisions = routing.decisions.int().tolist() if routing is not None else None
+    batch_tokens = sum(len(s.input_ids) for s in batch)
+    results = []
+    for i, sample in enumerate(batch):
+        text = tokenizer.decode(out[i, ids.shape[1] :], skip_special_tokens=True)
+        results.append(
+            SampleResult(
+                completion=text,
+                score=task.score(sample, text),
+                msr=float(routing.msr[i]) if routing is not None else 0.0,
+                esr=float(routing.esr[i]) if routing is not None else 0.0,
+                esr_last_layer=float(routing.esr_last_layer[i]) if routing is not None else 0.0,
+                tokens=len(sample.input_ids),
+                decisions=decisions[i] if decisions is not None else None,
+                routed_layers=list(routing.routed_layers) if routing is not None else None,
+                prefill_seconds=prefill * len(sample.input_ids) / batch_tokens,
+                batch_prefill_seconds=prefill,
+                generate_seconds=total,
+                batch_size=len(batch),
+                batch_tokens=batch_tokens,
+            )
+        )
+    return results
+
+
 @torch.no_grad()
 def evaluate(
     elastic: Any,
@@ -68,33 +164,13 @@ def evaluate(
     ``elastic`` is an elastic model, or a plain causal LM (full attention: MSR and ESR 0)."""
     model = getattr(elastic, "base", elastic)
     check_context(task.name, samples, context_window(model), extra=max_new_tokens)
-    device = next(model.parameters()).device
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     result = EvalResult()
     start = time.perf_counter()
     for first in range(0, len(samples), batch_size):
         batch = samples[first : first + batch_size]
-        ids, mask = pad_batch(batch, pad_id, padding_side, device)
-        out = elastic.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=pad_id,
+        result.results.extend(
+            generate_batch(elastic, tokenizer, task, batch, max_new_tokens=max_new_tokens, padding_side=padding_side)
         )
-        routing = elastic.routing if model is not elastic else None
-        for i, sample in enumerate(batch):
-            text = tokenizer.decode(out[i, ids.shape[1] :], skip_special_tokens=True)
-            result.results.append(
-                SampleResult(
-                    completion=text,
-                    score=task.score(sample, text),
-                    msr=float(routing.msr[i]) if routing is not None else 0.0,
-                    esr=float(routing.esr[i]) if routing is not None else 0.0,
-                    esr_last_layer=float(routing.esr_last_layer[i]) if routing is not None else 0.0,
-                    tokens=len(sample.input_ids),
-                )
-            )
         if progress is not None:
             progress(min(first + batch_size, len(samples)), len(samples))
     result.seconds = time.perf_counter() - start

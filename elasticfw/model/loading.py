@@ -49,5 +49,9 @@ def make_elastic(model: Any, tokenizer: Any, elastic_section: Any, *, registry: 
 
     torch.manual_seed(seed)
     elastic = ElasticModel(model, elastic_section, registry=registry, base_model_name=base_model_name)
-    elastic.router.prepare(elastic, tokenizer, seed=seed)
+    try:
+        elastic.router.prepare(elastic, tokenizer, seed=seed)
+    except BaseException:
+        elastic.unwrap()  # the model is left as it came, ready for another variant
+        raise
     return elastic

@@ -152,7 +152,8 @@ def format_validation_error(
             if msg.startswith("Value error, "):
                 msg = msg[len("Value error, ") :]
             shown = "" if value is _MISSING or isinstance(value, (dict, list)) else f" = {value!r}"
-            lines.append(f"{path}{shown}: {msg}")
+            # a check across sections (a model validator of the whole recipe) names its own fields
+            lines.append(msg if not parts else f"{path}{shown}: {msg}")
     # a problem of the recipe's `elastic` section reappears in every compare variant merged onto it
     reported = set(lines)
     lines = [line for line in lines if _VARIANT_PREFIX.sub("", line) not in reported - {line}]

@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from elasticfw.errors import suggest
+from elasticfw.recipe.sweep_section import SweepSettings
 from elasticfw.recipe.train_section import Target, TrainSettings, check_target
 from elasticfw.registry import Registry, get_registry
 
@@ -203,6 +204,24 @@ def _build_models(registry_id: int, revision: int) -> type[BaseModel]:  # revisi
             Field(default_factory=list, description="Routers trained and evaluated beside the recipe's (e.g. static)."),
         ),
     )
+    sweep_task = create_model(
+        "SweepTask",
+        __base__=Section,
+        __doc__="One task of a comparison sweep.",
+        task=(registry.config_union("task"), Field(..., description="The task plugin and its parameters.")),
+        label=(str | None, Field(None, min_length=1, max_length=100, pattern=_LABEL,
+                                 description="Name in the table (default: the task's name).")),
+        category=(Category | None, Field(None, description="sensitive or robust (default: the task's own).")),
+    )
+    sweep = create_model(
+        "SweepSection",
+        __base__=SweepSettings,
+        __doc__="A comparison sweep (`elasticfw compare`): the compare variants x these tasks x lengths x seeds.",
+        tasks=(  # type: ignore[arg-type]
+            list[sweep_task] | None,  # type: ignore[valid-type]
+            Field(None, min_length=1, description="The tasks (default: the recipe's eval.task)."),
+        ),
+    )
     recipe = create_model(
         "Recipe",
         __base__=Section,
@@ -223,8 +242,15 @@ def _build_models(registry_id: int, revision: int) -> type[BaseModel]:  # revisi
             train | None,
             Field(None, description="Router training (`elasticfw train`)."),
         ),
+        sweep=(  # type: ignore[arg-type]
+            sweep | None,
+            Field(None, description="What `elasticfw compare` sweeps: tasks, lengths, seeds, timing, run folder."),
+        ),
         output_dir=(str | None, Field(None, description="Where results are written (JSON).")),
-        __validators__={"_variants": model_validator(mode="before")(merge_variants)},  # type: ignore[dict-item]
+        __validators__={
+            "_variants": model_validator(mode="before")(merge_variants),  # type: ignore[dict-item]
+            "_sweep": model_validator(mode="after")(check_sweep),  # type: ignore[dict-item]
+        },
     )
     return recipe
 
@@ -254,6 +280,69 @@ def _check_train_labels(section: Any) -> Any:
     if "full" in names:
         raise ValueError("a baseline may not be called 'full': the summary reserves it for full attention")
     return section
+
+
+def sweep_task_entries(recipe: Any) -> list[tuple[str, Any, str | None]]:
+    """(label, task config, category override) of every task a recipe's sweep runs: ``sweep.tasks``,
+    or the ``eval.task`` when the recipe has no sweep tasks (none: no task at all)."""
+    entries = recipe.sweep.tasks if recipe.sweep is not None and recipe.sweep.tasks else None
+    if entries is not None:
+        return [(e.label or e.task.name, e.task, e.category) for e in entries]
+    return [] if recipe.eval is None else [(recipe.eval.task.name, recipe.eval.task, None)]
+
+
+def task_at_length(config: Any, length: int | None) -> Any:
+    """A task config with ``context_tokens`` set to ``length`` (validated like the recipe's)."""
+    if length is None:
+        return config
+    return type(config).model_validate({**config.model_dump(), "context_tokens": length})
+
+
+def check_sweep(recipe: Any) -> Any:
+    """Cross-section checks of ``compare`` and ``sweep``: labels, the reference, cells, lengths."""
+    variants = [v.label for v in recipe.compare or []]
+    dupes = sorted({v for v in variants if variants.count(v) > 1})
+    if dupes:
+        raise ValueError(f"compare: two variants are both labelled {dupes[0]!r}; labels name rows and must differ")
+    sweep = recipe.sweep
+    if sweep is None:
+        return recipe
+    if not variants:
+        raise ValueError("sweep: needs a `compare:` list of variants to run")
+    tasks = sweep_task_entries(recipe)
+    if not tasks:
+        raise ValueError("sweep.tasks: none given and the recipe has no eval.task to fall back on")
+    labels = [label for label, _, _ in tasks]
+    dupes = sorted({t for t in labels if labels.count(t) > 1})
+    if dupes:
+        raise ValueError(f"sweep.tasks: two tasks are both labelled {dupes[0]!r}; give each a distinct `label`")
+    if sweep.reference is not None and sweep.reference not in variants:
+        raise ValueError(f"sweep.reference = {sweep.reference!r}: not a compare label ({suggest(sweep.reference, variants)}"
+                         f"labels: {', '.join(variants)})")
+    for i, cell in enumerate(sweep.cells or []):
+        if cell.variant not in variants:
+            raise ValueError(f"sweep.cells.{i}.variant = {cell.variant!r}: not a compare label "
+                             f"({suggest(cell.variant, variants)}labels: {', '.join(variants)})")
+        if cell.task not in labels:
+            raise ValueError(f"sweep.cells.{i}.task = {cell.task!r}: not a sweep task label "
+                             f"({suggest(cell.task, labels)}labels: {', '.join(labels)})")
+    wanted = {(label, length) for label, _, _ in tasks for length in sweep.lengths or [None]}
+    wanted |= {(c.task, c.length) for c in sweep.cells or []}
+    configs = {label: config for label, config, _ in tasks}
+    for label, length in sorted(wanted, key=lambda x: (x[0], x[1] or 0)):
+        if length is None:
+            continue
+        config = configs[label]
+        if "context_tokens" not in type(config).model_fields:
+            raise ValueError(f"sweep.lengths: task {label!r} ({config.name}) has no context_tokens field, so it has "
+                             "no length to sweep; sweep it in a recipe without lengths, or use sweep.cells")
+        try:
+            task_at_length(config, length)
+        except ValidationError as exc:
+            first = exc.errors(include_url=False)[0]
+            raise ValueError(f"sweep.lengths: {length} is not a valid context_tokens for task {label!r}: "
+                             f"{first['msg']}") from None
+    return recipe
 
 
 def merge_variants(data: Any) -> Any:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,14 @@ class DistContext:
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier()
+
+    def all_gather_object(self, value: Any) -> list[Any]:
+        """Every process's ``value`` (picklable, produced by this program), in rank order."""
+        if not self.enabled:
+            return [value]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, value)
+        return out
 
     def broadcast_flag(self, value: bool) -> bool:
         """Rank 0's ``value`` on every process."""

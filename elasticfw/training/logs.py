@@ -13,6 +13,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from elasticfw.errors import CheckpointError
+from elasticfw.jsonl import read_jsonl, rewrite_jsonl
+
 METRICS = "metrics.jsonl"
 
 
@@ -20,10 +23,7 @@ class MetricsLog:
     def __init__(self, run_dir: Path, *, resume_step: int | None, tensorboard: bool = True) -> None:
         self.path = run_dir / METRICS
         if resume_step is not None and self.path.exists():
-            kept = [line for line, row in _rows(self.path) if row["step"] <= resume_step]
-            tmp = self.path.with_name(f".{METRICS}.tmp-{os.getpid()}")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, self.path)
+            rewrite_jsonl(self.path, [row for row in read_metrics(run_dir) if row["step"] <= resume_step])
         elif self.path.exists():
             self.path.unlink()
         self._file = self.path.open("a", encoding="utf-8")
@@ -60,21 +60,9 @@ def _flatten(row: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
-    """(line, row) pairs; a torn last line (a write cut short by a crash) is dropped."""
-    lines = [line for line in path.read_text().splitlines() if line]
-    out = []
-    for i, line in enumerate(lines):
-        try:
-            out.append((line, json.loads(line)))
-        except json.JSONDecodeError:
-            if i != len(lines) - 1:
-                raise
-    return out
-
-
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    return [row for _, row in _rows(run_dir / METRICS)]
+    """The logged steps; a torn last line (a write cut short by a crash) is dropped."""
+    return [row for _, row in read_jsonl(run_dir / METRICS, error=CheckpointError)[0]]
 
 
 def plot_msr(rows: list[dict[str, Any]], out: Path, targets: dict[str, tuple[float, float]]) -> Path:

@@ -1,4 +1,5 @@
-"""Run every variant of a recipe's ``compare:`` list on the same samples; print and save a table."""
+"""``elasticfw eval``: the recipe's elastic section (or a trained adapter) on its ``eval`` task; print
+and save a JSON report. (``elasticfw compare`` is :mod:`elasticfw.eval.sweep`.)"""
 
 from __future__ import annotations
 
@@ -32,13 +33,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{r['samples']:>7d} {r['seconds']:>7.1f}s"
         )
     return "\n".join(lines)
-
-
-def run_comparison(recipe: Any, *, out: str | None = None) -> dict[str, Any]:
-    """Every variant of ``compare:`` on the same samples (``elasticfw compare``)."""
-    if not recipe.compare:
-        raise RecipeError("compare: the recipe has no `compare:` list of variants to run")
-    return run_variants(recipe, [(v.label, v.elastic, v.adapter) for v in recipe.compare], out=out, kind="compare")
 
 
 def run_evaluation(recipe: Any, *, out: str | None = None, adapter: str | None = None) -> dict[str, Any]:
@@ -92,8 +86,7 @@ def run_variants(
                "elastic": section.model_dump(mode="json")}
         rows.append(row)
         _say(f"  {label}: accuracy {row['accuracy']:.3f}, MSR {row['msr']:.3f}, ESR {row['esr']:.3f}")
-    table = format_table(rows)
-    _say("\n" + table)
+    _say("\n" + format_table(rows))
     report = {"recipe": recipe.model_dump(mode="json"), "environment": environment(next(model.parameters()).device), "rows": rows,
               "total_seconds": time.perf_counter() - t0}
     path = Path(out) if out else Path(recipe.output_dir or "results") / f"{kind}-{datetime.now():%Y%m%d-%H%M%S}.json"

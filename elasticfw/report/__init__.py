@@ -1,0 +1,74 @@
+"""Tables, confidence intervals, figures and an HTML page summarising a comparison sweep's run folder.
+
+``build_report(RUN)`` reads ``RUN/sweep.json``, ``RUN/rows.jsonl`` and ``RUN/failures.jsonl`` (see
+:mod:`elasticfw.report.runfile`) and writes, each file atomically:
+
+* ``RUN/table.md`` — the paper-Table-1 tables (one per context length, plus all lengths pooled);
+* ``RUN/table.csv`` — the same rows in wide form with exact interval bounds;
+* ``RUN/cells.csv`` — one line per (variant, task, length) cell;
+* ``RUN/figures/*.png`` and ``*.svg`` — see :mod:`elasticfw.report.plots`;
+* ``RUN/report.html`` — a self-contained page with all of the above and the run's provenance.
+
+It can be run on a sweep still in progress (some variants missing some cells).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from elasticfw.atomic import atomic_write_text
+from elasticfw.report.aggregate import Cell, Run, TableRow, cells, load_run, table_rows
+from elasticfw.report.errors import ReportError
+from elasticfw.report.html import render_html
+from elasticfw.report.plots import pareto_skip_reason, write_figures
+from elasticfw.report.stats import mean_interval, wilson_interval
+from elasticfw.report.tables import cells_csv, markdown_table, wide_csv
+
+__all__ = [
+    "Cell",
+    "ReportError",
+    "Run",
+    "TableRow",
+    "build_report",
+    "cells",
+    "load_run",
+    "mean_interval",
+    "table_rows",
+    "wilson_interval",
+]
+
+
+def build_report(run_dir: Path | str, *, confidence: float = 0.95) -> dict[str, list[Path]]:
+    """Write the tables, figures and ``report.html`` of a sweep run folder. Returns the written
+    files: ``{"tables": [table.md, table.csv, cells.csv], "figures": [...], "html": [report.html]}``.
+    Raises :class:`ReportError` when the folder is not a sweep run or has no rows yet."""
+    run = load_run(run_dir)
+    if not run.rows:
+        raise ReportError(
+            f"{run.path}: no rows yet (rows.jsonl is missing or empty); the sweep has not finished a sample"
+        )
+    rows = table_rows(
+        run.rows,
+        tasks=run.tasks,
+        variants=run.variants,
+        lengths=run.lengths,
+        reference=run.reference,
+        confidence=confidence,
+    )
+    per_length = cells(run.rows, run.reference, confidence=confidence)
+    title = f"Sweep report: {run.path.name}"
+    tables = {
+        "table.md": markdown_table(rows, run.tasks, title=title, reference=run.reference),
+        "table.csv": wide_csv(rows, run.tasks),
+        "cells.csv": cells_csv(per_length),
+    }
+    written: dict[str, list[Path]] = {"tables": [], "figures": [], "html": []}
+    for name, text in tables.items():
+        atomic_write_text(run.path / name, text)
+        written["tables"].append(run.path / name)
+    written["figures"] = write_figures(run, run.path / "figures", confidence=confidence)
+    note = pareto_skip_reason(run.reference, per_length)
+    page = render_html(run, rows, figures=written["figures"], notes=[note] if note else [], title=title)
+    atomic_write_text(run.path / "report.html", page)
+    written["html"].append(run.path / "report.html")
+    return written
