@@ -17,5 +17,5 @@ from elasticfw.registry import set_registry
 if __name__ == "__main__":
     registry = training_registry()
     set_registry(registry)
-    recipe = validate_recipe_data(tiny_sweep_recipe(sys.argv[1], batch_size=1), registry=registry)
+    recipe = validate_recipe_data(tiny_sweep_recipe(sys.argv[1]), registry=registry)
     run_sweep(recipe, registry=registry, progress=False, report=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -92,7 +93,9 @@ def test_every_cell_and_sample_is_a_row_with_its_routing_and_timing(finished):
             # a 16-sink + 32-local window covers all 39 tokens at length 40: nothing is skipped there
             assert set(flat) == {1} and (r["esr"] > 0) == (length == 72)
         assert r["tokens"] == length - 1  # the synthetic tasks write context_tokens - 1 bytes
-        assert 0 < r["prefill_seconds"] <= r["batch_prefill_seconds"] <= r["generate_seconds"]
+        # the prefill is the first forward of generate(); the decode steps come after it
+        assert 0 < r["prefill_seconds"] <= r["batch_prefill_seconds"] < r["generate_seconds"]
+        assert r["attempt"] == 0
         assert r["batch_tokens"] == r["batch_size"] * (length - 1)
     # batches of 2 then 1 (batch_size 2, 3 samples): equal lengths share a batch's prefill time equally
     a, b, c = (rows[("mlp", "recall", 72, 0, i)] for i in range(3))
@@ -145,7 +148,8 @@ def test_resume_after_a_kill_recomputes_nothing_and_loses_nothing(registry, fini
     _sweep(registry, out, resume=True)
     assert calls == []  # a finished sweep resumes to nothing
     meta = json.loads((out / "sweep.json").read_text())
-    assert len(meta["resumed"]) == 2 and meta["reference"] == "full"
+    assert [a["processes"] for a in meta["attempts"]] == [1, 1, 1] and meta["attempts"][1]["environment"]["device"] == "cpu"
+    assert {r["attempt"] for r in _rows(out).values()} == {0, 1}  # the third attempt had nothing to do
 
 
 def test_a_failing_variant_leaves_the_other_rows_and_fails_at_the_end(registry, finished, tmp_path, monkeypatch):
@@ -218,24 +222,111 @@ def test_the_run_folder_is_checked_before_any_work(registry, finished, tmp_path,
     with pytest.raises(SweepError, match="exclude one another"):
         _sweep(registry, tmp_path / "x", resume=True, overwrite=True)
     # a resumed sweep whose variant changed under the same label would mix two methods in one row set
-    data = tiny_sweep_recipe(finished)
+    copy = tmp_path / "copy"
+    shutil.copytree(finished, copy)
+    data = tiny_sweep_recipe(copy)
     data["compare"][1]["elastic"]["sparse_mode"] = {"name": "streaming", "sink_tokens": 16, "local_tokens": 16,
                                                     "block_size": 16}
-    before = (finished / "rows.jsonl").read_bytes()
-    with pytest.raises(SweepError, match=r"changed variant 'stream'"):
+    before = (copy / "rows.jsonl").read_bytes()
+    with pytest.raises(SweepError, match=r"changed the variant 'stream'"):
         run_sweep(validate_recipe_data(data, registry=registry), registry=registry, resume=True, report=False)
-    assert (finished / "rows.jsonl").read_bytes() == before
+    with pytest.raises(SweepError, match=r"changed the generation settings"):
+        _sweep(registry, copy, resume=True, sweep={"batch_size": 3})
+    with pytest.raises(SweepError, match=r"changed the task 'rep'"):
+        _sweep(registry, copy, resume=True, sweep={"tasks": [{"task": {"name": "recall", "num_samples": 3}},
+                                                             {"task": {"name": "repeat", "num_samples": 4},
+                                                              "label": "rep"}]})
+    assert (copy / "rows.jsonl").read_bytes() == before
+    # a kill during an atomic write leaves a temporary file: still a sweep folder, and it is cleaned
+    (copy / ".table.md.tmp-123").write_text("half")
+    monkeypatch.undo()
+    _sweep(registry, copy, resume=True)
+    assert not (copy / ".table.md.tmp-123").exists()
 
 
-def test_overwrite_replaces_only_the_sweep(registry, finished, tmp_path):
+def test_overwrite_and_explicit_cells_with_warmup(registry, finished, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     (out / "sweep.json").write_text("{}")
     (out / "rows.jsonl").write_text('{"stale": 1}\n')
-    _sweep(registry, out, overwrite=True, sweep={"cells": [{"variant": "stream", "task": "rep", "length": 40}]})
+    _sweep(registry, out, overwrite=True, report=True,
+           sweep={"cells": [{"variant": "stream", "task": "rep", "length": 40}], "warmup": True})
     rows = _rows(out)
+    # the warm-up generate writes no row and changes no result
     assert {k[:4] for k in rows} == {("stream", "rep", 40, 0)} and len(rows) == 3
     assert _stable(rows) == {k: v for k, v in _stable(_rows(finished)).items() if k in rows}
+    meta = json.loads((out / "sweep.json").read_text())
+    assert meta["lengths"] == [40] and meta["seeds"] == [0]  # the cells', not the grid's
+    assert "Context length 72" not in (out / "table.md").read_text()
+
+
+def test_a_row_that_lost_its_newline_is_mended_before_appending(finished, tmp_path):
+    from elasticfw.eval.rows import repair_rows
+    from elasticfw.jsonl import append_jsonl
+
+    path = tmp_path / "rows.jsonl"
+    rows = list(_rows(finished).values())[:3]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]) + json.dumps(rows[2]))  # no final newline
+    assert repair_rows(path) == rows
+    append_jsonl(path, [rows[0]])
+    assert read_rows(path) == ([*rows, rows[0]], False)
+
+
+def test_a_cell_whose_samples_cannot_be_built_fails_alone(registry, finished, tmp_path):
+    # 2000-byte prompts do not fit the tiny model's 1024-token window: those cells fail, the others run
+    out = tmp_path / "run"
+    with pytest.raises(SweepError, match=r"3 failure\(s\).*full/recall@2000"):
+        _sweep(registry, out, sweep={"lengths": [40, 2000], "tasks": [{"task": {"name": "recall", "num_samples": 3}}]})
+    rows = _rows(out)
+    assert {k[:3] for k in rows} == {(v, "recall", 40) for v in ("full", "stream", "mlp")}
+    failures = [json.loads(line) for line in (out / "failures.jsonl").read_text().splitlines()]
+    assert {(f["variant"], f["length"]) for f in failures} == {(v, 2000) for v in ("full", "stream", "mlp")}
+    assert "context window is 1024 tokens" in failures[0]["error"]
+
+
+def test_adapter_variants_are_described_by_the_adapter(registry, finished, tmp_path):
+    """An adapter runs its own elastic section: sweep.json says so, and a retrained adapter under the
+    same label is refused on resume."""
+    from elasticfw.model.loading import make_elastic
+
+    model, tok = tiny_model("llama"), ByteTokenizer()
+    recipe = validate_recipe_data(tiny_sweep_recipe("unused"), registry=registry)
+    section = recipe.elastic.model_copy(update={
+        "sparse_mode": recipe.elastic.sparse_mode.model_copy(update={"local_tokens": 16})})
+    elastic = make_elastic(model, tok, section, registry=registry, seed=1)
+    elastic.save_adapter(str(tmp_path / "adapter"))
+    elastic.unwrap()
+    data = tiny_sweep_recipe(tmp_path / "run", cells=[{"variant": "trained", "task": "recall", "length": 40}])
+    data["compare"].append({"label": "trained", "adapter": str(tmp_path / "adapter")})
+    _sweep_data = validate_recipe_data(data, registry=registry)
+    run_sweep(_sweep_data, registry=registry, progress=False, report=False)
+    meta = json.loads((tmp_path / "run" / "sweep.json").read_text())
+    spec = meta["definition"]["variants"]["trained"]
+    assert spec["elastic"]["sparse_mode"]["local_tokens"] == 16 and len(spec["adapter_sha256"]) == 64
+    make_elastic(model, tok, section, registry=registry, seed=2).save_adapter(str(tmp_path / "adapter"))  # retrained
+    with pytest.raises(SweepError, match=r"changed the variant 'trained'"):
+        run_sweep(validate_recipe_data(data, registry=registry), registry=registry, progress=False, report=False,
+                  resume=True)
+
+
+def test_a_resume_that_adds_a_variant_keeps_the_reference_and_the_rows(registry, tmp_path):
+    out = tmp_path / "run"
+    cells = [{"variant": "stream", "task": "rep", "length": 40}, {"variant": "full", "task": "rep", "length": 40}]
+    data = tiny_sweep_recipe(out, cells=cells)
+    data["compare"] = data["compare"][1:]  # stream first: the default reference is the first variant
+    data["compare"].append({"label": "full", "elastic": {"router": {"name": "fixed", "assign": "all_retrieval"}}})
+    data["compare"].pop(1)  # no mlp
+    run_sweep(validate_recipe_data(data, registry=registry), registry=registry, progress=False, report=False)
+    before = _rows(out)
+    data["compare"].insert(0, {"label": "mlp", "elastic": {}})
+    data["sweep"]["cells"].append({"variant": "mlp", "task": "rep", "length": 40})
+    run_sweep(validate_recipe_data(data, registry=registry), registry=registry, progress=False, report=False,
+              resume=True)
+    meta = json.loads((out / "sweep.json").read_text())
+    assert meta["reference"] == "stream"  # not the new first variant
+    assert [v["label"] for v in meta["variants"]] == ["mlp", "stream", "full"]
+    after = _rows(out)
+    assert {k: after[k] for k in before} == before and {k[0] for k in after} == {"mlp", "stream", "full"}
 
 
 @pytest.mark.parametrize(
@@ -248,6 +339,10 @@ def test_overwrite_replaces_only_the_sweep(registry, finished, tmp_path):
         ({"lengths": [40, 40]}, r"sweep.lengths.*lists 40 twice"),
         ({"tasks": [{"task": {"name": "recall"}}, {"task": {"name": "recall"}}]}, r"both labelled 'recall'"),
         ({"batch_size": 0}, r"sweep.batch_size = 0"),
+        ({"padding_side": "right"}, r"sweep.padding_side = 'right' with batch_size > 1"),
+        ({"cells": [{"variant": "full", "task": "rep", "length": 40},
+                    {"variant": "full", "task": "rep", "length": 40, "seed": 0}]},
+         r"sweep.cells.1 repeats sweep.cells.0 \(full, rep, length 40, seed 0\)"),
     ],
 )
 def test_bad_sweep_sections_fail_at_validation_naming_the_field(registry, change, message):
@@ -293,8 +388,10 @@ def test_two_processes_write_the_rows_of_one(tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
     a, b = _rows(one), _rows(two)
     assert len(a) == 36 and _stable(a) == _stable(b)
+    # batches are cut by sample index, whatever the number of processes: the same batch sizes
+    assert {k: r["batch_size"] for k, r in a.items()} == {k: r["batch_size"] for k, r in b.items()}
     # rank 0 wrote every row in sample order within each cell
     order = [row_key(r) for r in read_rows(two / "rows.jsonl")[0]]
     assert order == sorted(order, key=lambda k: (["full", "stream", "mlp"].index(k[0]), ["recall", "rep"].index(k[1]),
                                                  k[2], k[3], k[4]))
-    assert json.loads((two / "sweep.json").read_text())["world_size"] == 2
+    assert json.loads((two / "sweep.json").read_text())["attempts"][0]["processes"] == 2

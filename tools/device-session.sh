@@ -2,13 +2,18 @@
 # GPU sessions in one script: install carried wheels, assemble the default model, check, run.
 #
 # The device machine lacks some packages (pydantic, omegaconf, gguf, datasets, rouge-score, ...)
-# and a call carries at most 64 MiB, less than the default model's 98 MB GGUF. So (see
-# docs/how-to/run-on-gpu.md, "On a lent machine"):
-#   call 1, carry [.whl, .gguf/a]:  bash tools/device-session.sh stage-a
-#   call 2, carry [.gguf/b]:        bash tools/device-session.sh stage-b -- <command ...>
-#   later calls while warm:         bash tools/device-session.sh run -- <command ...>
-# Every stage re-installs this checkout (no deps, editable), exports ELASTICFW_SMOLLM2_GGUF and a
-# cache folder, prints the versions, then runs the command with its wall time.
+# and a call carries at most 64 MiB *including this checkout*, less than the default model's
+# 98 MB GGUF. So the GGUF travels in numbered pieces, .gguf/p0/part0, .gguf/p1/part1, ... (see
+# docs/how-to/run-on-gpu.md, "On a lent machine"), one or more per call, each call within 30 s of
+# the last while the machine is warm:
+#   call 1, carry [.whl, .gguf/p0]:   bash tools/device-session.sh stage-a
+#   calls 2.., carry [.gguf/pK]:       bash tools/device-session.sh stage-a
+#   last call, carry [.gguf/pN]:       bash tools/device-session.sh stage-b -- <command ...>
+#   later calls while warm:            bash tools/device-session.sh run -- <command ...>
+# stage-a installs carried wheels and keeps carried pieces; stage-b also joins the pieces in order
+# and checks the sha256. Every stage re-installs this checkout (no deps, editable), exports
+# ELASTICFW_SMOLLM2_GGUF and a cache folder, prints the versions, then runs the command with its
+# wall time.
 set -euo pipefail
 STORE=/tmp/elasticfw-device
 SITE=$STORE/site
@@ -18,17 +23,27 @@ mkdir -p "$STORE"
 stage=${1:?stage-a | stage-b | run}; shift
 [ "${1:-}" = "--" ] && shift
 
+keep_carried() {
+  if [ -d .whl ] && compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+  fi
+  mkdir -p "$STORE/parts"
+  for f in .gguf/*/part*; do [ -f "$f" ] && cp "$f" "$STORE/parts/"; done
+  echo "kept GGUF pieces: $(ls "$STORE/parts" | tr '\n' ' ')"
+}
+
 case "$stage" in
   stage-a)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
-    cp .gguf/a/part0 "$STORE/part0"
-    echo "stage-a: wheels in $SITE, GGUF part 0 kept; carry .gguf/b in the next call within 30 s"
+    keep_carried
+    echo "stage-a: carry the next piece (or stage-b with the last) within 30 s"
     ;;
   stage-b)
-    [ -f "$STORE/part0" ] || { echo "stage-b: part 0 is gone (the machine went cold): run stage-a again" >&2; exit 3; }
-    cat "$STORE/part0" .gguf/b/part1 > "$GGUF.tmp"
-    echo "$SHA  $GGUF.tmp" | sha256sum -c - >/dev/null || { echo "GGUF sha256 mismatch" >&2; exit 3; }
-    mv "$GGUF.tmp" "$GGUF"; rm -f "$STORE/part0"
+    keep_carried
+    [ -f "$STORE/parts/part0" ] || { echo "stage-b: piece 0 is gone (the machine went cold): start again" >&2; exit 3; }
+    ls "$STORE"/parts/part* | sort -V | xargs cat > "$GGUF.tmp"
+    echo "$SHA  $GGUF.tmp" | sha256sum -c - >/dev/null \
+      || { echo "GGUF sha256 mismatch: pieces $(ls "$STORE/parts" | tr '\n' ' ') (one missing?)" >&2; exit 3; }
+    mv "$GGUF.tmp" "$GGUF"; rm -rf "$STORE/parts"
     echo "stage-b: GGUF assembled, sha256 ok"
     ;;
   run) [ -f "$GGUF" ] || { echo "run: no GGUF (the machine went cold): stage-a and stage-b again" >&2; exit 3; } ;;

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from elasticfw.errors import ElasticError
 from elasticfw.eval.task import Sample, Task, check_context, context_window
 
 
@@ -77,6 +78,8 @@ class PrefillTimer:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        elif self.device.type == "mps":
+            torch.mps.synchronize()
 
     def _pre(self, *_: Any, **__: Any) -> None:
         if self._start is None:
@@ -117,10 +120,11 @@ def generate_batch(
         out = elastic.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id
         )
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        timer._sync()
         total = time.perf_counter() - start
-    prefill = timer.seconds if timer.seconds is not None else total
+    if timer.seconds is None:
+        raise ElasticError(f"{type(model).__name__}.generate() never called its forward: no prefill time to report")
+    prefill = timer.seconds
     routing = elastic.routing if model is not elastic else None
     decisions = routing.decisions.int().tolist() if routing is not None else None
     batch_tokens = sum(len(s.input_ids) for s in batch)

@@ -1,8 +1,8 @@
 """The rows of a comparison sweep: one JSON object per evaluated sample, in ``RUN/rows.jsonl``.
 
 Rows are appended (and flushed to disk) as batches finish, so a sweep that is killed keeps
-everything it computed. A kill can cut the last line short: :func:`repair_rows` removes such a
-line from the file before more rows are appended (:mod:`elasticfw.jsonl`).
+everything it computed. A kill can cut the last line short, or keep it whole but lose its
+newline: :func:`repair_rows` mends the file before more rows are appended (:mod:`elasticfw.jsonl`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def read_rows(path: Path) -> tuple[list[dict[str, Any]], bool]:
 def repair_rows(path: Path) -> list[dict[str, Any]]:
     """Read ``path`` and, if its last line was torn, rewrite it without that line."""
     rows, torn = read_rows(path)
-    if torn:
+    # a kill can also keep a whole row but lose its newline: the next append would join two rows
+    if torn or (rows and not path.read_bytes().endswith(b"\n")):
         rewrite_jsonl(path, rows)
     return rows

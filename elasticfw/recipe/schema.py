@@ -319,7 +319,16 @@ def check_sweep(recipe: Any) -> Any:
     if sweep.reference is not None and sweep.reference not in variants:
         raise ValueError(f"sweep.reference = {sweep.reference!r}: not a compare label ({suggest(sweep.reference, variants)}"
                          f"labels: {', '.join(variants)})")
+    if sweep.padding_side == "right" and sweep.batch_size > 1:
+        raise ValueError("sweep.padding_side = 'right' with batch_size > 1: a decoder-only model would generate "
+                         "after the padding of shorter prompts; use left padding")
+    seen: dict[tuple[str, str, int | None, int], int] = {}
     for i, cell in enumerate(sweep.cells or []):
+        key = (cell.variant, cell.task, cell.length, recipe.seed if cell.seed is None else cell.seed)
+        if key in seen:
+            raise ValueError(f"sweep.cells.{i} repeats sweep.cells.{seen[key]} ({cell.variant}, {cell.task}, "
+                             f"length {cell.length}, seed {key[3]}): each cell runs once")
+        seen[key] = i
         if cell.variant not in variants:
             raise ValueError(f"sweep.cells.{i}.variant = {cell.variant!r}: not a compare label "
                              f"({suggest(cell.variant, variants)}labels: {', '.join(variants)})")

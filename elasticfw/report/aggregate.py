@@ -112,6 +112,12 @@ def _mean(values: Iterable[float | None]) -> float | None:
     return math.fsum(kept) / len(kept) if kept else None
 
 
+def _geometric_mean(values: Iterable[float | None]) -> float | None:
+    """Geometric mean of the finite positive values (the mean of ratios: 2x and 0.5x average to 1x)."""
+    kept = [float(v) for v in values if v is not None and math.isfinite(v) and v > 0]
+    return math.exp(math.fsum(math.log(v) for v in kept) / len(kept)) if kept else None
+
+
 def _first_seen(values: Iterable[Any]) -> list[Any]:
     return list(dict.fromkeys(values))
 
@@ -241,7 +247,7 @@ def _row(
         cells={c.task: c for c in present},
         averages=averages,
         msr=_mean(c.msr for c in present),
-        speedup=_mean(c.speedup for c in present),
+        speedup=_geometric_mean(c.speedup for c in present),
         n=sum(c.n for c in present),
     )
 

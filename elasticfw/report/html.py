@@ -79,9 +79,17 @@ def _provenance(run: Run) -> str:
         ("reference", meta.get("reference") or "none (no speed-ups)"),
     ]
     out.append(_table(None, facts))
-    env = meta.get("environment")
-    if isinstance(env, dict) and env:
-        out += ["<h3>Environment</h3>", _table(["key", "value"], list(env.items()))]
+    attempts = [a for a in meta.get("attempts", []) if isinstance(a, dict)]
+    if not attempts and isinstance(meta.get("environment"), dict):
+        attempts = [{"environment": meta["environment"]}]
+    for i, attempt in enumerate(attempts):
+        env = attempt.get("environment")
+        facts_i = [(k, v) for k, v in attempt.items() if k != "environment"]
+        if isinstance(env, dict):
+            facts_i += list(env.items())
+        if facts_i:
+            title = "Environment" if len(attempts) == 1 else f"Environment of attempt {i} (rows carry `attempt`)"
+            out += [f"<h3>{_e(title)}</h3>", _table(["key", "value"], facts_i)]
     variant_fields = ["label", "adapter", "router", "retrieval_mode", "sparse_mode", "executor"]
     variants = [
         [v.get(f) if v.get(f) is not None else "—" for f in variant_fields] for v in meta.get("variants", [])

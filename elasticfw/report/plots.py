@@ -8,7 +8,8 @@
   speed-ups) and mean score (y, mean of its cells' scores), with the Pareto front (both maximised).
   Skipped when there are no speed-ups (:func:`pareto_skip_reason` says why).
 * ``heads_<variant>``: for a variant whose rows carry routing decisions, the fraction of samples
-  that route each (layer, KV head) to full attention, one panel per task category (paper Fig. 6).
+  that route each (layer, KV head) to the retrieval mode (full attention in FA-* variants), one panel
+  per task category (paper Fig. 6).
 
 Figures are drawn on :class:`matplotlib.figure.Figure` objects directly, not through pyplot, so no
 display backend is needed and the caller's pyplot state and backend are left alone.
@@ -36,11 +37,12 @@ CAPTIONS = {
     "score_vs_length": "Mean score of each task against the context length, one line per variant; error bars "
     "are 95% confidence intervals (Wilson for accuracies, Student-t for continuous scores).",
     "msr_per_task": "Mean model sparsity ratio (fraction of KV heads routed to the sparse mode) of each "
-    "variant on each task, every length pooled; 0 = all full attention.",
+    "variant on each task, every length pooled; 0 = every head in the retrieval mode (e.g. full attention).",
     "pareto": "Each variant's mean prefill speed-up against the reference (x) and mean score over its cells "
     "(y); ringed points form the Pareto front (no other variant is both faster and better), drawn as a step line.",
-    "heads": "Fraction of samples that route each KV head (x) of each routed layer (y) to full attention, "
-    "per task category; bright = mostly full attention, dark = mostly sparse.",
+    "heads": "Fraction of samples that route each KV head (x) of each routed layer (y) to the retrieval mode "
+    "(full attention in FA-* variants, e.g. XAttention in XA-SSA), per task category; bright = mostly retrieval "
+    "mode, dark = mostly the sparse mode.",
 }
 
 
@@ -76,13 +78,13 @@ def _mean(values: list[float]) -> float:
 
 
 def variant_points(per_length: Sequence[Cell]) -> dict[str, tuple[float, float]]:
-    """``variant -> (mean speed-up, mean score)`` over its cells, for variants with a speed-up."""
+    """``variant -> (geometric-mean speed-up, mean score)`` over its cells, for variants with a speed-up."""
     out: dict[str, tuple[float, float]] = {}
     for variant in dict.fromkeys(c.variant for c in per_length):
         own = [c for c in per_length if c.variant == variant]
-        speedups = [c.speedup for c in own if c.speedup is not None]
+        speedups = [c.speedup for c in own if c.speedup is not None and c.speedup > 0]
         if speedups:
-            out[variant] = (_mean(speedups), _mean([c.score for c in own]))
+            out[variant] = (math.exp(_mean([math.log(s) for s in speedups])), _mean([c.score for c in own]))
     return out
 
 
@@ -179,7 +181,7 @@ def _msr_per_task(run: Run, pooled: Sequence[Cell], colors: dict[str, str]) -> F
         ax.bar(xs, ys, width=width, color=colors[variant], label=_text(variant))
     ax.set_xticks(range(len(tasks)), [_text(t) for t in tasks], rotation=20, ha="right")
     ax.set(ylabel="mean MSR", ylim=(0, 1.02), title="Model sparsity ratio per task")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: the bars reach 1
     return fig
 
 
@@ -188,9 +190,15 @@ def _pareto(points: dict[str, tuple[float, float]], reference: str, colors: dict
     ax = fig.subplots()
     labels = list(points)
     coords = [points[v] for v in labels]
+    xs, ys = [x for x, _ in coords], [y for _, y in coords]
+    dx, dy = 0.15 * ((max(xs) - min(xs)) or 1.0), 0.04 * ((max(ys) - min(ys)) or 1.0)
+    placed: list[tuple[float, float]] = []
     for v, (x, y) in points.items():
         ax.scatter([x], [y], color=colors[v], zorder=3)
-        ax.annotate(_text(v), (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        # labels of points close to earlier ones step down a line each, so they do not overprint
+        crowd = sum(abs(x - px) < dx and abs(y - py) < dy for px, py in placed)
+        placed.append((x, y))
+        ax.annotate(_text(v), (x, y), textcoords="offset points", xytext=(5, 4 - 10 * crowd), fontsize=8)
     front = pareto_front(coords)
     ax.step(
         [coords[i][0] for i in front], [coords[i][1] for i in front], where="pre", color="0.3", linestyle="--"
@@ -238,7 +246,7 @@ def _heads(rows: list[dict[str, Any]], variant: str) -> Figure:
         ax.set_xticks(range(0, n_heads, xstep))
         ax.set(title=f"{category} tasks ({len(chosen)} samples)", xlabel="KV head", ylabel="layer")
     scale = ScalarMappable(Normalize(0.0, 1.0), cmap="viridis")
-    fig.colorbar(scale, ax=axes, label="fraction routed to full attention")
+    fig.colorbar(scale, ax=axes, label="fraction routed to the retrieval mode")
     fig.suptitle(_text(f"Head routing of {variant}"))
     return fig
 

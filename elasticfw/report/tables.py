@@ -22,7 +22,7 @@ LEGEND = (
     "for continuous scores; averages: normal approximation over the task means); (n) = samples; "
     "S = retrieval-sensitive task, R = robust task; avg = plain mean of the task means, * = over the "
     "tasks present only; MSR = mean model sparsity ratio; speed-up = reference prefill time / this "
-    "variant's on the same samples, mean over tasks."
+    "variant's on the same samples, geometric mean over tasks."
 )
 
 
