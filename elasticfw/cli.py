@@ -4,7 +4,8 @@
     elasticfw recipe validate FILE [key=value ...]
     elasticfw recipe show FILE [key=value ...]
     elasticfw recipe schema
-    elasticfw eval FILE [key=value ...] [--adapter DIR]   # the recipe's elastic section (or an adapter) on its task
+    elasticfw eval FILE [key=value ...] [--adapter DIR] [--output DIR] [--resume | --overwrite]
+                                               # the recipe's elastic section (or an adapter) on its tasks
     elasticfw compare FILE [key=value ...] [--output DIR] [--resume | --overwrite] [--no-report]
                                                # sweep the `compare:` variants x tasks x lengths x seeds
     elasticfw report RUN                       # rebuild a sweep's tables, figures and HTML from its rows
@@ -126,7 +127,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from elasticfw.eval.run_eval import run_evaluation
 
-    run_evaluation(_load(args), out=args.output, adapter=args.adapter)
+    run_evaluation(_load(args), output=args.output, adapter=args.adapter, resume=args.resume,
+                   overwrite=args.overwrite, report=not args.no_report)
     return 0
 
 
@@ -187,7 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="run the recipe's elastic section (or a trained adapter) on its eval task")
     p.add_argument("file")
     p.add_argument("overrides", nargs="*", help="dotted.key=value")
-    p.add_argument("--output", help="write the report JSON here (default: recipe output_dir or results/)")
+    p.add_argument("--output", help="the run folder (default: <recipe output_dir or runs>/eval)")
+    p.add_argument("--resume", action="store_true", help="continue the run in the folder, skipping finished samples")
+    p.add_argument("--overwrite", action="store_true", help="replace a run already in the folder")
+    p.add_argument("--no-report", action="store_true", help="only the rows; build the report later with `elasticfw report`")
     p.add_argument("--adapter", help="a trained adapter folder (e.g. RUN/mlp/adapter) instead of the recipe's elastic section")
     p.set_defaults(func=_cmd_eval)
 

@@ -10,6 +10,7 @@ duplicate name raises :class:`~elasticfw.errors.DuplicatePluginError`; an unknow
 from __future__ import annotations
 
 import importlib
+import math
 import re
 import threading
 from collections.abc import Iterable, Iterator
@@ -18,7 +19,7 @@ from importlib import metadata
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import pluggy
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from elasticfw import hookspecs
 from elasticfw.errors import (
@@ -42,6 +43,38 @@ class PluginConfig(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    @model_validator(mode="after")
+    def _bounded_numbers(self) -> PluginConfig:
+        """No plugin parameter is infinite, NaN, or an integer beyond 32 bits: such values pass the
+        field's own bounds (``gt=0`` accepts inf) and fail much later, deep in a kernel."""
+        for field_name in type(self).model_fields:
+            for value in _numbers(getattr(self, field_name)):
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise ValueError(f"{field_name} = {value!r}: must be a finite number")
+                if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_LIMIT:
+                    raise ValueError(f"{field_name} = {_short(value)}: out of range (at most {INT_LIMIT} in magnitude)")
+        return self
+
+
+#: the largest integer a plugin parameter may hold (int32): token counts, block sizes, seeds ...
+INT_LIMIT = 2**31 - 1
+
+
+def _numbers(value: Any) -> Iterator[Any]:
+    if isinstance(value, (int, float)):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _numbers(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _numbers(v)
+
+
+def _short(value: int) -> str:
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:10]}...{text[-4:]} ({len(text)} digits)"
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@
 * The recipes of the recipe how-to (```yaml file=NAME blocks) validate, and those it shows from
   recipes/ equal the shipped files.
 * Relative links between the pages point at files and anchors that exist.
+* The site builds with `mkdocs build --strict` (MkDocs Material, mkdocstrings) and every page is
+  in its nav.
 * The contributor tutorial's example plugin (docs/examples/elasticfw-example-mode) is installed
   as a distribution (no network, no build: its package and a dist-info with its entry points,
   laid out by tests/foundation_helpers.py), listed by `elasticfw plugins`, and passes its own
@@ -180,3 +182,20 @@ def test_example_plugin_passes_its_conformance_tests(example_site: Path, tmp_pat
     assert result.returncode == 0, output
     passed = re.search(r"(\d+) passed", output)
     assert passed is not None and int(passed.group(1)) >= 10, output
+
+
+# -- the documentation site ------------------------------------------------------------------------
+
+
+def test_the_site_builds_strictly(tmp_path: Path) -> None:
+    """`mkdocs build --strict` (the `docs` extra, installed by `make setup`): every page in the nav,
+    no broken link or anchor, every `::: module` of the docstring reference renders."""
+    result = run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-f", str(ROOT / "mkdocs.yml"),
+                  "-d", str(tmp_path / "site")], cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    api = (tmp_path / "site" / "reference" / "docstrings" / "index.html").read_text(encoding="utf-8")
+    for name in ("elasticfw.eval.sweep.run_sweep", "elasticfw.report.stats.wilson_interval", "ElasticModel"):
+        assert name in api, name
+    pages = {p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")}
+    nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    assert not [p for p in sorted(pages) if p not in nav], "pages missing from the mkdocs.yml nav"

@@ -35,15 +35,19 @@ eval:
   max_new_tokens: 3
 """
     )
-    out = tmp_path / "report.json"
+    out = tmp_path / "run"
     assert main(["eval", str(recipe), "--output", str(out)]) == 0
-    report = json.loads(out.read_text())
-    (row,) = report["rows"]
-    assert row["label"] == "elastic" and row["samples"] == 3
-    assert row["msr"] == 1.0 and 0.3 < row["esr"] < 1.0  # all heads streaming over ~300 tokens
-    assert len(row["completions"]) == 3
-    assert report["environment"]["torch"]
-    assert "variant" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+    assert [(r["variant"], r["task"], r["index"]) for r in rows] == [("elastic", "passkey", i) for i in range(3)]
+    assert all(r["msr"] == 1.0 and 0.3 < r["esr"] < 1.0 for r in rows)  # all heads streaming over ~300 tokens
+    meta = json.loads((out / "sweep.json").read_text())
+    assert meta["attempts"][0]["environment"]["torch"] and meta["variants"][0]["router"] == "fixed"
+    assert (out / "report.html").is_file() and "elastic" in (out / "table.md").read_text()
+    assert "variant 'elastic'" in capsys.readouterr().out
+    # a second run into the same folder is refused; --resume has nothing left to do
+    assert main(["eval", str(recipe), "--output", str(out)]) == 2
+    assert "already holds a sweep" in capsys.readouterr().err
+    assert main(["eval", str(recipe), "--output", str(out), "--resume"]) == 0
     # a path that is neither a registered name, an existing path nor a hub id is a recipe error
     assert main(["eval", str(recipe), "model.name=no_such_model"]) == 2
     assert "model.name" in capsys.readouterr().err

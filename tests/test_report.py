@@ -410,3 +410,34 @@ def test_build_report_one_length_no_reference(tmp_path):
     assert "<b>broken</b>: OSError: no adapter" in page
     md = (run_dir / "table.md").read_text()
     assert "## Context length n/a" in md and "All lengths" not in md and "no speed-ups" in md
+
+
+def test_routing_summary_by_hand():
+    from elasticfw.report.routing import routing_markdown, routing_summaries
+
+    def row(variant, category, decisions):
+        return {"variant": variant, "category": category, "decisions": decisions, "routed_layers": [3, 5]}
+
+    # 2 layers x 2 KV heads; 1 = sparse. "elastic": layer-3 head 0 full on sensitive inputs only
+    rows = [
+        row("elastic", "sensitive", [[0, 1], [1, 1]]),
+        row("elastic", "sensitive", [[0, 1], [1, 1]]),
+        row("elastic", "robust", [[1, 1], [1, 1]]),
+        row("elastic", "robust", [[1, 1], [1, 0]]),
+        row("static", "sensitive", [[0, 1], [1, 1]]),
+        row("static", "robust", [[0, 1], [1, 1]]),
+        {"variant": "plain", "category": "robust", "decisions": None},
+    ]
+    e, s = routing_summaries(rows, ["elastic", "static", "plain"])
+    assert (e.variant, e.samples, e.heads) == ("elastic", 4, 4)
+    # heads in the retrieval mode per sample: sensitive 1 and 1, robust 0 and 1
+    assert e.retrieval_heads == {"sensitive": 1.0, "robust": 0.5}
+    # majority per head: L3H0 sparse only in 2 of 4 -> not a majority (ties count as full), so the
+    # majority assignment is [[0,1],[1,1]]: the two robust samples differ from it
+    assert e.adaptive_samples == pytest.approx(0.5)
+    # L3/H0: full on 2/2 sensitive vs 0/2 robust; L5/H1: 0/2 vs 1/2
+    assert e.task_dependent_heads == [(3, 0, 1.0, 0.0), (5, 1, 0.0, 0.5)]
+    assert s.adaptive_samples == 0.0 and s.task_dependent_heads == [] and s.retrieval_heads == {
+        "sensitive": 1.0, "robust": 1.0}
+    text = routing_markdown([e, s])
+    assert "| elastic | 4 | 1.0 | 0.5 | 0.50 | L3/H0: 1.00 vs 0.00, L5/H1: 0.00 vs 0.50 |" in text

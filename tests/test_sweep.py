@@ -303,7 +303,8 @@ def test_adapter_variants_are_described_by_the_adapter(registry, finished, tmp_p
     meta = json.loads((tmp_path / "run" / "sweep.json").read_text())
     spec = meta["definition"]["variants"]["trained"]
     assert spec["elastic"]["sparse_mode"]["local_tokens"] == 16 and len(spec["adapter_sha256"]) == 64
-    make_elastic(model, tok, section, registry=registry, seed=2).save_adapter(str(tmp_path / "adapter"))  # retrained
+    make_elastic(model, tok, section, registry=registry, seed=2).save_adapter(str(tmp_path / "adapter"),
+                                                                              overwrite=True)  # retrained
     with pytest.raises(SweepError, match=r"changed the variant 'trained'"):
         run_sweep(validate_recipe_data(data, registry=registry), registry=registry, progress=False, report=False,
                   resume=True)
@@ -359,9 +360,9 @@ def test_lengths_need_tasks_with_a_context_length(registry):
     with pytest.raises(RecipeError, match=r"compare: two variants are both labelled 'full'"):
         validate_recipe_data(data, registry=registry)
     data = tiny_sweep_recipe("x")
-    data.pop("compare")
-    with pytest.raises(RecipeError, match=r"sweep: needs a `compare:` list"):
-        validate_recipe_data(data, registry=registry)
+    data.pop("compare")  # valid for `elasticfw eval` (the recipe's own section), not for `compare`
+    with pytest.raises(RecipeError, match=r"compare: the recipe has no `compare:` list"):
+        run_sweep(validate_recipe_data(data, registry=registry), registry=registry)
 
 
 def test_a_recipe_without_sweep_runs_its_eval_task(registry, tmp_path):

@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
+from elasticfw.attention.inputs import NOT_GIVEN, check_attention_inputs
 from elasticfw.attention.layout import BlockLayout
 from elasticfw.attention.mode import AttentionOutput
 from elasticfw.attention.seq import SeqInfo
-from elasticfw.errors import BackendUnavailableError, UnsupportedInputError
+from elasticfw.errors import BackendUnavailableError
 from elasticfw.registry import PluginConfig
+
+#: marks an ``attend`` already wrapped by :meth:`Executor.__init_subclass__`
+_CHECKED = "__elasticfw_checked__"
 
 
 class ExecutorConfig(PluginConfig):
     """Base of every executor's recipe section."""
+
+    def check_layout_block_size(self, block_size: int) -> None:
+        """Raise ``ValueError`` if this executor cannot run layouts of ``block_size``-token blocks
+        (called when a recipe is validated, once per mode block size; default: any size)."""
 
 
 class Executor(ABC):
@@ -26,7 +35,9 @@ class Executor(ABC):
     contract), a layout with 1, Hkv or Hq heads, and returns :class:`AttentionOutput`.
     Gradients flow to q, k and v. Executors declare what they support through
     :meth:`availability` and :attr:`supported_dtypes`, and raise
-    :class:`~elasticfw.errors.UnsupportedInputError` otherwise.
+    :class:`~elasticfw.errors.UnsupportedInputError` otherwise. Every subclass's ``attend`` is
+    wrapped to run :meth:`check_inputs` (shapes, devices, dtypes, scale, layout grid) first, so an
+    executor's own code only sees inputs that fit the contract.
     """
 
     name: ClassVar[str]
@@ -48,16 +59,48 @@ class Executor(ABC):
     def is_available(cls) -> bool:
         return cls.availability() is None
 
-    def check_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SeqInfo) -> None:
-        seq.check(q, k)
-        if v.shape[:3] != k.shape[:3]:
-            raise UnsupportedInputError(f"v {tuple(v.shape)} does not match k {tuple(k.shape)}")
-        if q.dtype not in self.supported_dtypes:
-            raise UnsupportedInputError(
-                f"executor {self.name!r} supports dtypes {[str(d) for d in self.supported_dtypes]}, got {q.dtype}"
-            )
-        if not (q.dtype == k.dtype == v.dtype):
-            raise UnsupportedInputError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    def check_inputs(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seq: SeqInfo,
+        layout: BlockLayout = NOT_GIVEN,
+        *,
+        scale: float = NOT_GIVEN,
+    ) -> None:
+        """Raise :class:`~elasticfw.errors.UnsupportedInputError` unless this executor can run the
+        call: shapes, devices, dtypes among :attr:`supported_dtypes`, and ``layout`` and ``scale``
+        when they are passed (see :mod:`elasticfw.attention.inputs`). ``attend`` runs it first."""
+        check_attention_inputs(
+            q, k, v, seq, scale=scale, layout=layout, dtypes=self.supported_dtypes, context=f"executor {self.name!r}"
+        )
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Wrap a subclass's ``attend`` so that :meth:`check_inputs` runs before it, whatever the
+        plugin does (validation lives here, not in every executor)."""
+        super().__init_subclass__(**kwargs)
+        attend = cls.__dict__.get("attend")
+        if attend is None or getattr(attend, "__isabstractmethod__", False) or getattr(attend, _CHECKED, False):
+            return
+
+        @functools.wraps(attend)
+        def checked_attend(
+            self: Executor,
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            layout: BlockLayout,
+            seq: SeqInfo,
+            *,
+            scale: float,
+            **options: Any,
+        ) -> AttentionOutput:
+            self.check_inputs(q, k, v, seq, layout, scale=scale)
+            return attend(self, q, k, v, layout, seq, scale=scale, **options)
+
+        setattr(checked_attend, _CHECKED, True)
+        cls.attend = checked_attend  # type: ignore[method-assign]
 
     @abstractmethod
     def attend(

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from elasticfw.attention.inputs import check_attention_inputs
 from elasticfw.attention.layout import BlockLayout
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.registry import PluginConfig
@@ -40,6 +42,10 @@ def merge_lse(a: AttentionOutput, b: AttentionOutput) -> AttentionOutput:
     return AttentionOutput(out.to(a.out.dtype), lse)
 
 
+#: marks a method already wrapped by :meth:`AttentionMode.__init_subclass__`
+_CHECKED = "__elasticfw_checked__"
+
+
 class ModeConfig(PluginConfig):
     """Base of every mode's recipe section."""
 
@@ -58,6 +64,25 @@ class AttentionMode(ABC):
 
     def __init__(self, config: ModeConfig | None = None) -> None:
         self.config = config if config is not None else self.config_class()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Wrap a subclass's ``side_branch`` so that its inputs are checked
+        (:mod:`elasticfw.attention.inputs`) before the mode's own code runs. ``build_layout`` is
+        not wrapped: modes whose layout depends only on ``seq`` (streaming, full) are called with
+        placeholder tensors; :meth:`attend` checks the inputs before it builds a layout."""
+        super().__init_subclass__(**kwargs)
+        side = cls.__dict__.get("side_branch")
+        if side is not None and not getattr(side, _CHECKED, False):
+
+            @functools.wraps(side)
+            def checked_side(
+                self: AttentionMode, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SeqInfo, *, scale: float
+            ) -> AttentionOutput | None:
+                check_attention_inputs(q, k, v, seq, scale=scale, context=f"mode {self.name!r}")
+                return side(self, q, k, v, seq, scale=scale)
+
+            setattr(checked_side, _CHECKED, True)
+            cls.side_branch = checked_side  # type: ignore[method-assign]
 
     @property
     def block_size(self) -> int:
@@ -88,7 +113,12 @@ class AttentionMode(ABC):
         scale: float,
         layout: BlockLayout | None = None,
     ) -> AttentionOutput:
-        """Run this mode for every head of q with ``executor`` (layout built if not given)."""
+        """Run this mode for every head of q with ``executor`` (layout built if not given).
+
+        The inputs are checked against ``executor`` (:meth:`Executor.check_inputs`) before the
+        layout is built, so an unsupported call fails before any mode or kernel code runs (the
+        layout is checked by ``executor.attend``)."""
+        executor.check_inputs(q, k, v, seq, scale=scale)
         if layout is None:
             with torch.no_grad():
                 layout = self.build_layout(q, k, seq)

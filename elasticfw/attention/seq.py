@@ -16,6 +16,7 @@ Canonical coordinates (what modes, layouts and executors see):
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -33,10 +34,34 @@ class SeqInfo:
     kv_capacity: int
 
     def __post_init__(self) -> None:
-        if self.q_start.dim() != 1 or self.kv_len.shape != self.q_start.shape:
+        for name in ("q_start", "kv_len"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.long:
+                shown = f"of shape {tuple(t.shape)}, dtype {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)[:80]
+                raise UnsupportedInputError(
+                    f"SeqInfo: q_start and kv_len must both be (batch,) int64 tensors, got {name} {shown}"
+                )
+        if self.kv_len.shape != self.q_start.shape or self.kv_len.device != self.q_start.device:
             raise UnsupportedInputError(
-                f"SeqInfo: q_start and kv_len must both be (batch,) tensors, got "
-                f"{tuple(self.q_start.shape)} and {tuple(self.kv_len.shape)}"
+                f"SeqInfo: q_start and kv_len must both be (batch,) tensors on one device, got "
+                f"{tuple(self.q_start.shape)} on {self.q_start.device} and {tuple(self.kv_len.shape)} on "
+                f"{self.kv_len.device}"
+            )
+        for name in ("q_len", "kv_capacity"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+                raise UnsupportedInputError(f"SeqInfo: {name} must be a non-negative int, got {value!r}")
+        if self.q_start.device.type == "meta":
+            return  # no values to check
+        # one host read for all value checks (canonical coordinates, see the module docstring)
+        q_end = self.q_start + self.q_len
+        bad = (self.q_start < 0) | (self.kv_len < 0) | (self.kv_len > self.kv_capacity) | (q_end > self.kv_capacity)
+        if bool(bad.any()):
+            b = int(bad.nonzero()[0, 0])
+            raise UnsupportedInputError(
+                f"SeqInfo: sample {b} has q_start {int(self.q_start[b])} and kv_len {int(self.kv_len[b])} with "
+                f"q_len {self.q_len} and kv_capacity {self.kv_capacity}; expected 0 <= kv_len <= kv_capacity, "
+                "q_start >= 0 and q_start + q_len <= kv_capacity (queries are positions among the keys)"
             )
 
     # -- constructors ----------------------------------------------------------------------
@@ -54,8 +79,9 @@ class SeqInfo:
         cls, kv_len: torch.Tensor, q_len: int, kv_capacity: int, q_start: torch.Tensor | None = None
     ) -> SeqInfo:
         """Right-padded batch of ``kv_len`` real keys; queries end where each sample ends
-        unless ``q_start`` says otherwise."""
-        kv_len = kv_len.to(torch.long)
+        unless ``q_start`` says otherwise (clamped at 0 when ``q_len`` exceeds a sample's length).
+        Negative lengths are refused, like the direct constructor does."""
+        kv_len = torch.as_tensor(kv_len).to(torch.long)
         if q_start is None:
             q_start = (kv_len - q_len).clamp_min(0)
         return cls(q_start.to(torch.long), kv_len, q_len, kv_capacity)
@@ -106,22 +132,8 @@ class SeqInfo:
         return torch.where(valid, pos + 1, torch.zeros_like(pos)).sum(-1)
 
     def check(self, q: torch.Tensor, k: torch.Tensor) -> None:
-        """Raise if ``q`` (B,Hq,Sq,D) / ``k`` (B,Hkv,Sk,D) do not fit this SeqInfo."""
-        if q.dim() != 4 or k.dim() != 4:
-            raise UnsupportedInputError(
-                f"attention tensors must be 4-D (batch, heads, seq, head_dim); got q {tuple(q.shape)}, "
-                f"k {tuple(k.shape)}"
-            )
-        if q.shape[0] != self.batch or k.shape[0] != self.batch:
-            raise UnsupportedInputError(f"batch mismatch: q {q.shape[0]}, k {k.shape[0]}, seq info {self.batch}")
-        if q.shape[2] != self.q_len or k.shape[2] != self.kv_capacity:
-            raise UnsupportedInputError(
-                f"length mismatch: q has {q.shape[2]} rows and k {k.shape[2]} keys, seq info expects "
-                f"{self.q_len} and {self.kv_capacity}"
-            )
-        if q.shape[1] % k.shape[1] != 0:
-            raise UnsupportedInputError(
-                f"GQA needs the query heads ({q.shape[1]}) to be a multiple of the KV heads ({k.shape[1]})"
-            )
-        if q.shape[-1] != k.shape[-1]:
-            raise UnsupportedInputError(f"head_dim mismatch: q {q.shape[-1]}, k {k.shape[-1]}")
+        """Raise if ``q`` (B,Hq,Sq,D) / ``k`` (B,Hkv,Sk,D) do not fit this SeqInfo
+        (see :func:`elasticfw.attention.inputs.check_qkv`)."""
+        from elasticfw.attention.inputs import check_qkv
+
+        check_qkv(q, k, None, self, context="SeqInfo.check")

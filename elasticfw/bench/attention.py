@@ -397,7 +397,9 @@ def correctness(N: int, args: argparse.Namespace, rec: Recorder, device: torch.d
     reference = ReferenceExecutor()
     cases = {
         "prefill": SeqInfo.dense(1, N, N, device=device),
-        "chunk_unaligned": SeqInfo.from_lengths(torch.tensor([N, N - 200], device=device), N // 2 - 37, N),
+        # a second, shorter sample (still with keys at the smoke test's tiny N)
+        "chunk_unaligned": SeqInfo.from_lengths(torch.tensor([N, max(N - 200, N // 2 + 3)], device=device),
+                                                N // 2 - 37, N),
         "decode": SeqInfo.from_lengths(torch.tensor([N - 3, N // 2 + 5], device=device), 1, N),
     }
     g = torch.Generator(device="cpu").manual_seed(1)

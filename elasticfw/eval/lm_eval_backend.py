@@ -219,7 +219,7 @@ class ElasticLMBase:
         if adapter is not None:
             from elasticfw.model.checkpoint import load_adapter
 
-            elastic = load_adapter(model, adapter, registry=registry)
+            elastic = load_adapter(model, adapter, registry=registry, base_model=recipe.model.name)
         else:
             elastic = make_elastic(model, tokenizer, recipe.elastic, registry=registry,
                                    base_model_name=recipe.model.name, seed=recipe.seed)

@@ -84,7 +84,7 @@ class _Samples:
 
 def _build(variant: Variant, model: Any, tokenizer: Any, recipe: Any, registry: Registry) -> Any:
     if variant.adapter is not None:
-        return load_adapter(model, variant.adapter, registry=registry)
+        return load_adapter(model, variant.adapter, registry=registry, base_model=recipe.model.name)
     return make_elastic(model, tokenizer, variant.elastic, registry=registry, base_model_name=recipe.model.name,
                         seed=recipe.seed)
 
@@ -121,11 +121,13 @@ def run_sweep(
     report: bool = True,
     registry: Registry | None = None,
     progress: bool = True,
+    variants: list[tuple[str, Any, str | None]] | None = None,
 ) -> Path:
     """Run the recipe's sweep into its run folder (see the module docstring); returns the folder.
+    ``variants`` (label, elastic section, adapter folder) replaces the recipe's ``compare:`` list.
 
     Raises :class:`SweepError` at the end if some variant or cell failed (the other rows are kept)."""
-    plan = make_plan(recipe)
+    plan = make_plan(recipe, variants)
     registry = registry or get_registry()
     dist = init_distributed(recipe.model.device)
     try:

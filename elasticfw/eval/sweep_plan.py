@@ -76,16 +76,23 @@ def variant_spec(elastic: Any, adapter: str | None) -> dict[str, Any]:
             "adapter_sha256": _sha256(folder / WEIGHTS)}
 
 
-def make_plan(recipe: Any) -> Plan:
-    """The sweep a recipe describes (its validation already checked labels, cells and lengths)."""
-    if not recipe.compare:
-        raise RecipeError("compare: the recipe has no `compare:` list of variants to run")
+def make_plan(recipe: Any, variants: list[tuple[str, Any, str | None]] | None = None) -> Plan:
+    """The sweep a recipe describes (its validation already checked labels, cells and lengths).
+    ``variants`` (label, elastic section, adapter) replaces the recipe's ``compare:`` list
+    (``elasticfw eval`` runs the recipe's own section this way)."""
+    if variants is None:
+        if not recipe.compare:
+            raise RecipeError("compare: the recipe has no `compare:` list of variants to run")
+        variants = [(v.label, v.elastic, v.adapter) for v in recipe.compare]
     sweep = recipe.sweep
     entries = sweep_task_entries(recipe)
     if not entries:
-        raise RecipeError("eval: `elasticfw compare` needs tasks: a `sweep.tasks` list or an `eval.task`")
-    variants = [Variant(v.label, v.elastic, v.adapter, variant_spec(v.elastic, v.adapter)) for v in recipe.compare]
+        raise RecipeError("eval: this command needs tasks: a `sweep.tasks` list or an `eval.task`")
+    runs = [Variant(label, elastic, adapter, variant_spec(elastic, adapter)) for label, elastic, adapter in variants]
     tasks = [SweepTask(label, config, category) for label, config, category in entries]
+    labels = {v.label for v in runs}
+    if sweep is not None and sweep.cells and any(c.variant not in labels for c in sweep.cells):
+        raise RecipeError(f"sweep.cells name variants this command does not run (it runs: {', '.join(sorted(labels))})")
     if sweep is not None and sweep.cells:
         cells = [Cell(c.variant, c.task, c.length, recipe.seed if c.seed is None else c.seed) for c in sweep.cells]
         lengths = list(dict.fromkeys(c.length for c in cells))
@@ -93,12 +100,13 @@ def make_plan(recipe: Any) -> Plan:
     else:
         lengths = list(sweep.lengths) if sweep is not None and sweep.lengths else [None]
         seeds = list(sweep.seeds) if sweep is not None and sweep.seeds else [recipe.seed]
-        cells = [Cell(v.label, t.label, n, s) for v in variants for t in tasks for n in lengths for s in seeds]
+        cells = [Cell(v.label, t.label, n, s) for v in runs for t in tasks for n in lengths for s in seeds]
     ev = recipe.eval
     explicit = sweep is not None and sweep.reference is not None
     return Plan(
-        variants=variants, tasks=tasks, cells=cells, lengths=lengths, seeds=seeds,
-        reference=sweep.reference if explicit else variants[0].label, reference_explicit=explicit,
+        variants=runs, tasks=tasks, cells=cells, lengths=lengths, seeds=seeds,
+        reference=sweep.reference if explicit and sweep.reference in labels else runs[0].label,
+        reference_explicit=explicit and sweep.reference in labels,
         batch_size=sweep.batch_size if sweep is not None else ev.batch_size,
         max_new_tokens=sweep.max_new_tokens if sweep is not None else ev.max_new_tokens,
         padding_side=sweep.padding_side if sweep is not None else ev.padding_side,

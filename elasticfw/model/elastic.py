@@ -10,6 +10,7 @@ attention interface.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -227,7 +228,8 @@ class ElasticModel(nn.Module):
         )
 
     # -- adapters on disk ------------------------------------------------------------------------
-    def save_adapter(self, path: str) -> None:
+    def save_adapter(self, path: str | Path, *, overwrite: bool = False) -> Path:
+        """Write the router as an adapter folder (see :func:`elasticfw.model.checkpoint.save_adapter`)."""
         from elasticfw.model.checkpoint import save_adapter
 
-        save_adapter(self, path)
+        return save_adapter(self, path, overwrite=overwrite)

@@ -20,7 +20,7 @@ from elasticfw.registry import Registry, get_registry, unknown_name_message
 __all__ = ["load_recipe", "validate_recipe_data", "recipe_model", "recipe_defaults", "format_validation_error"]
 
 _MISSING = object()
-_VARIANT_PREFIX = re.compile(r"^compare\.\d+\.(?=elastic\.)")
+_VARIANT_PREFIX = re.compile(r"^compare\.\d+\.(?=elastic[.:])")
 
 
 def load_recipe(
@@ -47,6 +47,16 @@ def validate_recipe_data(data: dict[str, Any], *, source: str = "<data>", regist
         raise RecipeError(format_validation_error(exc, shown, source, model, registry)) from None
 
 
+def _key_text(key: Any) -> str:
+    """A recipe key as it appears in a path: itself, or as YAML writes a key that is not a name
+    (``''``, ``true``, ``null``, ``5``)."""
+    if isinstance(key, str):
+        return key if key and key.strip() == key and "." not in key else repr(key)
+    if key is None or isinstance(key, bool):
+        return {None: "null", True: "true", False: "false"}[key]
+    return repr(key)
+
+
 def _walk(data: Any, loc: tuple[Any, ...]) -> tuple[list[str], Any, list[Any]]:
     """Follow a pydantic error location through the input, dropping discriminator tags.
 
@@ -58,8 +68,9 @@ def _walk(data: Any, loc: tuple[Any, ...]) -> tuple[list[str], Any, list[Any]]:
     for item in loc:
         if isinstance(cur, dict):
             if item in cur:
-                parts.append(str(item))
-                cur = cur[item]
+                key = next(k for k in cur if k == item)  # True == 1: show the key as the user wrote it
+                parts.append(_key_text(key))
+                cur = cur[key]
             elif cur.get("name") == item:  # tag pydantic inserts for a discriminated union
                 continue
             elif isinstance(item, str) and item.startswith(("function-", "[")):
@@ -112,46 +123,79 @@ def _unwrap(annotation: Any) -> Any:
     return None
 
 
+_SHOWN_CHARS = 80  # longest value (its repr) or key shown in a validation message
+_SHOWN_MESSAGE_CHARS = 1000  # longest message of a validator shown
+
+
+def _cut(text: str, limit: int = _SHOWN_CHARS) -> str:
+    """``text``, or its first ``limit`` characters, an ellipsis and its length."""
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text):,} characters in all)"
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)`` for a message, bounded: a megabyte-long value does not flood the terminal."""
+    text = repr(value)
+    if len(text) <= _SHOWN_CHARS:
+        return text
+    if isinstance(value, str):
+        return f"{value[:_SHOWN_CHARS]!r}… ({len(value):,} characters)"
+    return _cut(text)
+
+
 def format_validation_error(
     exc: ValidationError, data: Any, source: str, model: type[BaseModel], registry: Registry
 ) -> str:
+    """One paragraph for a pydantic error of recipe data: a line per problem, at its key path,
+    with the value given (cut to 80 characters) and what was expected."""
     lines = []
     for err in exc.errors(include_url=False):
         parts, value, _ = _walk(data, tuple(err["loc"]))
-        path = ".".join(parts) or "<recipe>"
+        path = ".".join(_cut(part) for part in parts) or "<recipe>"
         kind = err["type"]
         if kind == "extra_forbidden":
             section = _section_class(model, parts[:-1], data, registry)
             allowed = sorted(section.model_fields) if section is not None else []
-            hint = suggest(parts[-1], allowed) if allowed else ""
+            hint = suggest(parts[-1], allowed) if allowed and len(parts[-1]) <= _SHOWN_CHARS else ""
             lines.append(f"{path}: unknown key; {hint}allowed keys here: {', '.join(allowed) or '(none)'}")
         elif kind in ("union_tag_invalid", "union_tag_not_found"):
             field = parts[-1] if parts else ""
             plugin_kind = PLUGIN_FIELDS.get(field, "plugin")
             tag = (err.get("ctx") or {}).get("tag")
-            if kind == "union_tag_not_found" or tag is None:
+            raw = value.get("name", _MISSING) if isinstance(value, dict) else _MISSING
+            if raw is not _MISSING and not isinstance(raw, str):  # pydantic shows `name: null` as 'None'
+                lines.append(
+                    f"{path}.name = {'null' if raw is None else _shown(raw)}: a {plugin_kind} plugin's name (a string) "
+                    f"is required; registered: {', '.join(registry.names(plugin_kind)) if plugin_kind != 'plugin' else '?'}"
+                )
+            elif kind == "union_tag_not_found" or tag is None:
                 lines.append(
                     f"{path}.name: required — which {plugin_kind} plugin; registered: "
                     f"{', '.join(registry.names(plugin_kind)) if plugin_kind != 'plugin' else '?'}"
                 )
             else:
-                lines.append(f"{path}.name = {tag!r}: " + unknown_name_message(plugin_kind, tag, registry.names(plugin_kind)))
+                lines.append(f"{path}.name = {_shown(tag)}: " + _unknown_name(plugin_kind, tag, registry))
         elif kind == "literal_error" and len(parts) >= 2 and parts[-1] == "name" and parts[-2] in PLUGIN_FIELDS:
             # a kind with a single registered plugin has no union, so no union_tag_invalid
             plugin_kind = PLUGIN_FIELDS[parts[-2]]
-            lines.append(f"{path} = {value!r}: " + unknown_name_message(plugin_kind, str(value), registry.names(plugin_kind)))
+            lines.append(f"{path} = {_shown(value)}: " + _unknown_name(plugin_kind, value, registry))
         elif kind == "missing":
             lines.append(f"{path}: required field is missing")
+        elif kind == "invalid_key":
+            key = err.get("input")
+            what = "null" if key is None else "a boolean" if isinstance(key, bool) else f"a {type(key).__name__}"
+            lines.append(f"{path}: recipe keys are names (text); this one is {what} "
+                         f"(in YAML, quote it: '{_key_text(key)}':)")
         elif kind in ("model_type", "dict_type", "model_attributes_type") and not isinstance(value, dict):
             hint = ""
             if parts and parts[-1] in PLUGIN_FIELDS and isinstance(value, str):
-                hint = f"; a plugin section names its plugin, e.g. {parts[-1]}: {{name: {value}}}"
-            lines.append(f"{path} = {value!r}: expected a section (a mapping of keys to values){hint}")
+                hint = f"; a plugin section names its plugin, e.g. {parts[-1]}: {{name: {_cut(value)}}}"
+            lines.append(f"{path} = {_shown(value)}: expected a section (a mapping of keys to values){hint}")
         else:
             msg = err["msg"]
             if msg.startswith("Value error, "):
                 msg = msg[len("Value error, ") :]
-            shown = "" if value is _MISSING or isinstance(value, (dict, list)) else f" = {value!r}"
+            msg = _cut(msg, _SHOWN_MESSAGE_CHARS)  # a validator may quote the value it refuses
+            shown = "" if value is _MISSING or isinstance(value, (dict, list)) else f" = {_shown(value)}"
             # a check across sections (a model validator of the whole recipe) names its own fields
             lines.append(msg if not parts else f"{path}{shown}: {msg}")
     # a problem of the recipe's `elastic` section reappears in every compare variant merged onto it
@@ -160,3 +204,13 @@ def format_validation_error(
     count = len(lines)
     head = f"invalid recipe {source!r} ({count} problem{'s' if count != 1 else ''}):"
     return head + "".join(f"\n  - {line}" for line in lines)
+
+
+def _unknown_name(plugin_kind: str, name: Any, registry: Registry) -> str:
+    """:func:`unknown_name_message` for a name given in a recipe, cut when it is long (no "did you
+    mean" for a name far longer than any plugin's)."""
+    text = str(name)
+    if len(text) <= _SHOWN_CHARS:
+        return unknown_name_message(plugin_kind, text, registry.names(plugin_kind))
+    listed = ", ".join(sorted(registry.names(plugin_kind))) or "(none registered)"
+    return f"unknown {plugin_kind} {_shown(text)}; registered {plugin_kind} names: {listed}"

@@ -15,11 +15,34 @@ new plugin go after it).
 
 YAML is read as data only: no tags (``!!python/...`` is refused, never constructed), and a key
 given twice in one mapping is an error rather than a silent last-one-wins.
+
+Whatever is given, reading refuses bad input with one :class:`~elasticfw.errors.RecipeError`
+line, never a raw exception, a hang or unbounded memory. The limits (all far above what a recipe
+needs; a shipped recipe has a few hundred values, nested five levels):
+
+* a recipe or ``base:`` file: a regular file of at most :data:`MAX_RECIPE_BYTES`, UTF-8 text;
+* an override ``key=value``: at most :data:`MAX_OVERRIDE_CHARS` characters;
+* lists and mappings nested at most :data:`MAX_DEPTH` levels (the recipe's top mapping is one;
+  an override's key parts count as levels too);
+* at most :data:`MAX_VALUES` values (scalars, lists and mappings) in one YAML text, counting what
+  aliases (``*name``) repeat of their anchors (``&name``), so an alias bomb ("billion laughs")
+  is refused while it is read; an alias inside its own anchor is refused too;
+* ``base:`` chains at most :data:`MAX_BASE_CHAIN` files deep, :data:`MAX_BASE_FILES` files in all;
+* once ``${...}`` interpolations are resolved, the recipe may hold at most :data:`MAX_VALUES`
+  values and :data:`MAX_RESOLVED_CHARS` characters of text, nested at most :data:`MAX_DEPTH`
+  levels, and an interpolation may refer through at most :data:`MAX_INTERPOLATION_CHAIN` other
+  interpolations: these are checked before OmegaConf resolves anything, so an interpolation
+  bomb (``b: ["${a}", "${a}"]``, ``c: ["${b}", "${b}"]``, ...) is refused, not expanded.
+
+Values shown in messages are cut to :data:`SHOWN_CHARS` characters (:func:`shorten`).
 """
 
 from __future__ import annotations
 
+import codecs
+import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -34,20 +57,286 @@ BASE_KEY = "base"
 _OVERRIDE = re.compile(r"^(?P<key>[A-Za-z_][A-Za-z0-9_\-]*(\.[A-Za-z0-9_\-]+)*)=(?P<value>.*)$", re.S)
 _SCALAR_KEYS = (str, int, float, bool, type(None))
 
+MAX_RECIPE_BYTES = 1 << 20
+"""Largest recipe or ``base:`` file read (1 MiB); a larger one is refused before it is parsed."""
+MAX_OVERRIDE_CHARS = 1 << 16
+"""Longest ``key=value`` override (65,536 characters)."""
+MAX_DEPTH = 32
+"""Deepest nesting of lists and mappings (the recipe's top mapping is level 1)."""
+MAX_VALUES = 10_000
+"""Most values (scalars, lists, mappings) in one YAML text with its aliases repeated, and in the
+recipe with its interpolations resolved."""
+MAX_RESOLVED_CHARS = 4 << 20
+"""Most characters of text in the recipe once its interpolations are resolved (4 MiB)."""
+MAX_INTERPOLATION_CHAIN = 16
+"""Most interpolations one ``${...}`` may refer through in a row (``a: ${b}``, ``b: ${c}``, ...)."""
+MAX_BASE_CHAIN = 16
+"""Deepest chain of ``base:`` files (a base of a base of ...)."""
+MAX_BASE_FILES = 64
+"""Most files read for one recipe, the recipe and all its bases."""
+SHOWN_CHARS = 80
+"""Longest value (its ``repr``) shown in a message before it is cut."""
+
+
+def shorten(text: str, limit: int = SHOWN_CHARS) -> str:
+    """``text`` if it is at most ``limit`` characters, else its start, an ellipsis and its length."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text):,} characters in all)"
+
+
+def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
+    """``repr(value)`` for a message, cut to about ``limit`` characters: a long string shows its
+    start and its length, another value the start of its ``repr`` and that ``repr``'s length."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    if isinstance(value, str):
+        return f"{value[:limit]!r}… ({len(value):,} characters)"
+    return shorten(text, limit)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+# -- reading a file --------------------------------------------------------------------------------
+
+_SIGNATURES = (
+    (b"\x89PNG\r\n\x1a\n", "a PNG image"),
+    (b"\xff\xd8\xff", "a JPEG image"),
+    (b"GIF8", "a GIF image"),
+    (b"%PDF-", "a PDF document"),
+    (b"PK\x03\x04", "a zip archive (a PyTorch checkpoint is one)"),
+    (b"\x1f\x8b", "a gzip archive"),
+    (b"GGUF", "a GGUF model file"),
+    (b"\x7fELF", "an executable"),
+)
+
+
+def _binary_kind(head: bytes) -> str | None:
+    """What a file that starts with ``head`` looks like, if it is a well-known binary format."""
+    for signature, kind in _SIGNATURES:
+        if head.startswith(signature):
+            return kind
+    # safetensors: an 8-byte little-endian header length, then the JSON header
+    if len(head) >= 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") < 1 << 32:
+        return "a safetensors file"
+    return None
+
+
+def _line_column(data: bytes, offset: int) -> str:
+    line_start = data.rfind(b"\n", 0, offset) + 1
+    column = len(data[line_start:offset].decode("utf-8", "replace")) + 1
+    line = data.count(b"\n", 0, offset) + 1
+    return f"line {line}, column {column}"
+
+
+def _decode(data: bytes, what: str) -> str:
+    """UTF-8 text of a recipe file, or a RecipeError saying why it is not."""
+    expected = "a recipe is YAML text saved as UTF-8"
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        raise RecipeError(
+            f"{what} is not UTF-8 text: it starts with a UTF-16 byte-order mark; {expected} (re-save it as UTF-8)"
+        )
+    kind = _binary_kind(data[:16])
+    if kind is not None:
+        raise RecipeError(f"{what} is not UTF-8 text: it looks like {kind}, not a recipe; {expected}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if b"\x00" in data:
+            raise RecipeError(
+                f"{what} is not UTF-8 text: it looks like a binary file (it holds NUL bytes and bytes that "
+                f"are not UTF-8); {expected}"
+            ) from None
+        raise RecipeError(
+            f"{what} is not UTF-8 text: byte 0x{data[exc.start]:02X} at {_line_column(data, exc.start)} is not "
+            f"valid UTF-8 (was it saved as Latin-1, Windows-1252 or another legacy encoding?); {expected}"
+        ) from None
+    nul = data.find(b"\x00")
+    if nul != -1:
+        raise RecipeError(
+            f"{what} is not UTF-8 text: it holds a NUL byte at {_line_column(data, nul)}, as UTF-16 text and "
+            f"binary files do; {expected}"
+        )
+    return text
+
+
+def _read_bytes(path: Path, what: str, missing: str) -> bytes:
+    """The bytes of a recipe file, refusing what is not a readable regular file of a recipe's size.
+    ``missing`` is the whole message for a file that does not exist."""
+    try:
+        info = path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        raise RecipeError(missing) from None
+    except PermissionError:
+        raise RecipeError(
+            f"{what} cannot be read: permission denied on it or on a folder above it (looked at "
+            f"{os.path.abspath(path)!r})"
+        ) from None
+    except OSError as exc:
+        raise RecipeError(f"{what} cannot be read: {exc.strerror or exc}") from None
+    except ValueError:  # a NUL character in the path
+        raise RecipeError(f"{what} is not a usable path: it holds a NUL character") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise RecipeError(f"{what} is a folder, not a recipe file (give the path of a .yaml file)")
+    if not stat.S_ISREG(info.st_mode):
+        raise RecipeError(f"{what} is not a regular file (it is a device, a pipe or a socket), not a recipe file")
+    try:
+        with path.open("rb") as handle:
+            data = handle.read(MAX_RECIPE_BYTES + 1)
+    except PermissionError:
+        raise RecipeError(
+            f"{what} cannot be read: permission denied (the file's permissions do not let you read it)"
+        ) from None
+    except OSError as exc:
+        raise RecipeError(f"{what} cannot be read: {exc.strerror or exc}") from None
+    if len(data) > MAX_RECIPE_BYTES or info.st_size > MAX_RECIPE_BYTES:
+        size = max(info.st_size, len(data))
+        kind = _binary_kind(data[:16])
+        looks = f"it looks like {kind}, not a recipe" if kind else "is this the right file?"
+        raise RecipeError(
+            f"{what} is {_size(size)} ({size:,} bytes), more than the {_size(MAX_RECIPE_BYTES)} a recipe file "
+            f"may have: a recipe is a short YAML text file; {looks}"
+        )
+    return data
+
+
+# -- parsing YAML ---------------------------------------------------------------------------------
+
+
+class _LimitError(Exception):
+    """Well-formed YAML beyond a limit of :mod:`elasticfw.recipe.loader` (or an endless alias)."""
+
+    def __init__(self, problem: str, mark: Any = None) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.mark = mark
+
 
 class _RecipeLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses duplicate keys."""
+    """``yaml.SafeLoader`` that refuses duplicate keys, deep nesting, too many values (aliases
+    repeated) and an alias used inside its own anchor."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._depth = 0  # lists and mappings open around the node being composed
+        self._composed = 0
+        self._aliases = 0
+        self._open_anchors: list[str] = []
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            if event.anchor in self._open_anchors:
+                raise _LimitError(
+                    f"the alias *{shorten(event.anchor)} is used inside its own anchor &{shorten(event.anchor)}, "
+                    "which would make an endless structure",
+                    event.start_mark,
+                )
+            self._aliases += 1
+            return super().compose_node(parent, index)
+        self._composed += 1
+        if self._composed > MAX_VALUES:
+            raise _LimitError(
+                f"holds more than {MAX_VALUES:,} keys and values; a recipe holds at most a few hundred", event.start_mark
+            )
+        collection = isinstance(event, yaml.CollectionStartEvent)
+        if collection and self._depth >= MAX_DEPTH:
+            raise _LimitError(
+                f"lists and mappings are nested deeper than {MAX_DEPTH} levels; a recipe needs only a few",
+                event.start_mark,
+            )
+        anchor = event.anchor
+        self._depth += collection
+        if anchor is not None:
+            self._open_anchors.append(anchor)
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= collection
+            if anchor is not None:
+                self._open_anchors.pop()
+
+    def compose_document(self) -> Any:
+        node = super().compose_document()
+        if self._aliases:
+            _check_aliases(node)
+        return node
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def _check_aliases(root: Any) -> None:
+    """Refuse a node graph (aliases shared) whose tree, the aliases repeated, is too big or deep.
+    Linear in the graph: each node's expanded count and height is computed once. What a merge key
+    (``<<: *name``, ``<<: [*a, *b]``) brings lands in the mapping that holds it, not a level below."""
+    done: dict[int, tuple[int, int]] = {}  # id(node) -> (values, height)
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        node, ready = stack.pop()
+        if id(node) in done:
+            continue
+        children: list[tuple[Any, int]] = []  # (child, levels it sits below this node)
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                merged = key.tag == _MERGE_TAG
+                children += [(key, 1), (value, 0 if merged and isinstance(value, yaml.MappingNode) else
+                                        -1 if merged and isinstance(value, yaml.SequenceNode) else 1)]
+        elif isinstance(node, yaml.SequenceNode):
+            children = [(child, 1) for child in node.value]
+        if not ready:  # the composer refused cycles, so a node is never its own descendant
+            stack.append((node, True))
+            stack.extend((child, False) for child, _ in children if id(child) not in done)
+            continue
+        values = 1 + sum(done[id(child)][0] for child, _ in children)
+        height = 0 if isinstance(node, yaml.ScalarNode) else max(
+            [1, *(done[id(child)][1] + below for child, below in children)]
+        )
+        if values > MAX_VALUES:
+            raise _LimitError(
+                f"holds more than {MAX_VALUES:,} keys and values once its aliases (*name) are repeated; a recipe holds "
+                "at most a few hundred",
+                node.start_mark,
+            )
+        if height > MAX_DEPTH:
+            raise _LimitError(
+                f"lists and mappings are nested deeper than {MAX_DEPTH} levels once its aliases (*name) are "
+                "repeated; a recipe needs only a few",
+                node.start_mark,
+            )
+        done[id(node)] = (values, height)
+
+
+def _yaml_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, (int, float)):
+        return f"the number {value!r}"
+    return f"a {type(value).__name__}"
 
 
 def _construct_mapping(loader: _RecipeLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
     first_line: dict[Any, int] = {}
     for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":
+        if key_node.tag == _MERGE_TAG:
             continue
         key = loader.construct_object(key_node, deep=deep)
+        if isinstance(key_node, yaml.ScalarNode) and not isinstance(key, str):
+            raise yaml.constructor.ConstructorError(
+                None, None, f"the key {key_node.value!r} reads as {_yaml_kind(key)}, but recipe keys are names; "
+                f"quote it ('{key_node.value}':) if you meant the text", key_node.start_mark
+            )
         if isinstance(key, _SCALAR_KEYS) and key in first_line:
             raise yaml.constructor.ConstructorError(
-                None, None, f"key {key!r} is given twice (first at line {first_line[key]})", key_node.start_mark
+                None, None, f"key {shown(key)} is given twice (first at line {first_line[key]})", key_node.start_mark
             )
         if isinstance(key, _SCALAR_KEYS):
             first_line[key] = key_node.start_mark.line + 1
@@ -57,34 +346,53 @@ def _construct_mapping(loader: _RecipeLoader, node: yaml.MappingNode, deep: bool
 _RecipeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
+def _where(mark: Any) -> str:
+    return f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+
+
 def parse_yaml(text: str, what: str) -> Any:
-    """Parse YAML as plain data (``what`` names the text in errors)."""
+    """Parse YAML as plain data (``what`` names the text in errors), within this module's limits."""
     try:
         return yaml.load(text, Loader=_RecipeLoader)  # a SafeLoader subclass: data only
+    except _LimitError as exc:
+        raise RecipeError(f"{what}{_where(exc.mark)}: {exc.problem}") from None
+    except yaml.reader.ReaderError as exc:  # a character YAML does not allow (control characters)
+        position = min(max(exc.position, 0), len(text))
+        line = text.count("\n", 0, position) + 1
+        column = position - (text.rfind("\n", 0, position) + 1) + 1
+        char = exc.character if isinstance(exc.character, int) else ord(exc.character[:1] or "\0")
+        raise RecipeError(
+            f"{what} is not valid YAML at line {line}, column {column}: the character U+{char:04X} is not "
+            "allowed (control characters other than tab and line breaks cannot appear in YAML text)"
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         tag = re.match(r"could not determine a constructor for the tag '?([^']*)'?", problem)
         if tag is not None:
             problem = (
-                f"the tag {tag.group(1)!r} is not allowed: recipes are plain data (mappings, lists, "
+                f"the tag {shown(tag.group(1))} is not allowed: recipes are plain data (mappings, lists, "
                 "strings, numbers, booleans, null), never code"
             )
-        raise RecipeError(f"{what} is not valid YAML{where}: {problem}") from None
+        context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        if context and context_mark is not None and mark is not None and context_mark.line != mark.line:
+            problem = f"{problem} ({context}{_where(context_mark)})"
+        raise RecipeError(f"{what} is not valid YAML{_where(mark)}: {shorten(problem, 400)}") from None
 
 
-def read_yaml(path: Path) -> dict[str, Any]:
-    """Parse one YAML file safely (no tags, no code) into a dict."""
-    if not path.is_file():
-        raise RecipeError(f"recipe file {str(path)!r} does not exist (looked at {str(path.resolve())!r})")
-    data = parse_yaml(path.read_text(encoding="utf-8"), f"recipe {str(path)!r}")
+def read_yaml(path: Path, what: str | None = None) -> dict[str, Any]:
+    """Parse one YAML file safely (no tags, no code, within this module's limits) into a dict.
+    ``what`` names the file in errors (default ``recipe 'PATH'``)."""
+    what = what or f"recipe {str(path)!r}"
+    data = _read_bytes(
+        path, what, f"recipe file {str(path)!r} does not exist (looked at {os.path.abspath(path)!r})"
+    )
+    data = parse_yaml(_decode(data, what), what)
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise RecipeError(
-            f"recipe {str(path)!r} must be a mapping of sections (model:, elastic:, ...), "
-            f"found a {type(data).__name__}"
+            f"{what} must be a mapping of sections (model:, elastic:, ...), found a {type(data).__name__}"
         )
     return data
 
@@ -102,43 +410,249 @@ def merge_sections(base: Any, override: Any, key: str | None = None) -> Any:
     return override
 
 
-def _load_with_bases(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
-    path = path.resolve()
-    if path in chain:
-        cycle = " -> ".join(str(p) for p in (*chain, path))
+class _Bases:
+    """What one recipe's ``base:`` chain has read: each file once (a base named twice, in a
+    diamond, is not read again), and how many files."""
+
+    def __init__(self) -> None:
+        self.loaded: dict[Path, dict[str, Any]] = {}
+        self.read = 0
+
+
+def _load_with_bases(
+    path: Path, chain: tuple[Path, ...], what: str, missing: str | None, bases_seen: _Bases
+) -> dict[str, Any]:
+    """``path`` with its bases merged under it. ``what`` names it in errors, ``missing`` is the
+    message for a file that does not exist (None: the default of :func:`read_yaml`)."""
+    try:
+        resolved = path.resolve()
+    except (OSError, RuntimeError, ValueError):  # a symlink loop or a NUL, which reading the file reports
+        resolved = Path(os.path.abspath(path))
+    if resolved in chain:
+        cycle = " -> ".join(str(p) for p in (*chain, resolved))
         raise RecipeError(f"recipe inheritance cycle through `base:`: {cycle}")
-    data = read_yaml(path)
+    if resolved in bases_seen.loaded:
+        return bases_seen.loaded[resolved]
+    bases_seen.read += 1
+    if bases_seen.read > MAX_BASE_FILES:
+        raise RecipeError(
+            f"{what}: the recipe and its `base:` files are more than {MAX_BASE_FILES} files; "
+            "a recipe needs a base or two"
+        )
+    missing = missing or f"recipe file {str(path)!r} does not exist (looked at {os.path.abspath(path)!r})"
+    raw = _read_bytes(path, what, missing)
+    data = parse_yaml(_decode(raw, what), what)
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(
+            f"{what} must be a mapping of sections (model:, elastic:, ...), found a {type(data).__name__}"
+        )
     bases = data.pop(BASE_KEY, None)
     if bases is None:
+        bases_seen.loaded[resolved] = data
         return data
     if isinstance(bases, str):
         bases = [bases]
     if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
         raise RecipeError(
-            f"recipe {str(path)!r}: `base` = {bases!r} must be a path or a list of paths to recipe files"
+            f"recipe {str(resolved)!r}: `base` = {shown(bases)} must be a path or a list of paths to recipe files"
+        )
+    if len(chain) + 1 >= MAX_BASE_CHAIN:
+        names = " -> ".join(str(p) for p in (*chain, resolved))
+        raise RecipeError(
+            f"recipe {str(resolved)!r}: the chain of `base:` files is deeper than {MAX_BASE_CHAIN} files "
+            f"({shorten(names, 400)}); a recipe needs a base or two"
         )
     merged: dict[str, Any] = {}
     for base in bases:
-        base_path = (path.parent / base)
-        if not base_path.is_file():
-            raise RecipeError(
-                f"recipe {str(path)!r}: `base` file {base!r} does not exist (resolved to {str(base_path.resolve())!r})"
-            )
-        merged = merge_sections(merged, _load_with_bases(base_path, (*chain, path)))
-    return merge_sections(merged, data)
+        base_path = resolved.parent / base
+        base_missing = (
+            f"recipe {str(resolved)!r}: `base` file {shown(base)} does not exist; base paths are relative to the "
+            f"folder of the file that names them, so it was looked for at {os.path.abspath(base_path)!r}"
+        )
+        base_what = f"base file {str(base_path)!r} (named by `base:` in {str(resolved)!r})"
+        loaded = _load_with_bases(base_path, (*chain, resolved), base_what, base_missing, bases_seen)
+        merged = merge_sections(merged, loaded)
+    merged = merge_sections(merged, data)
+    bases_seen.loaded[resolved] = merged
+    return merged
 
 
 def parse_override(text: str) -> tuple[str, Any]:
     """``a.b.c=value`` → (``a.b.c``, parsed YAML value)."""
+    if len(text) > MAX_OVERRIDE_CHARS:
+        raise RecipeError(
+            f"override {text[:SHOWN_CHARS]!r}… is {len(text):,} characters long, more than the {MAX_OVERRIDE_CHARS:,} an "
+            "override may have; put a long value in the recipe file"
+        )
     match = _OVERRIDE.match(text)
     if match is None:
         raise RecipeError(
-            f"override {text!r} is not of the form dotted.key=value (for example "
+            f"override {shown(text)} is not of the form dotted.key=value (for example "
             "elastic.sparse_mode.sink_tokens=64 or compare.0.label=dense)"
         )
-    raw = match.group("value")
-    value = parse_yaml(raw, f"the value of override {text!r}") if raw.strip() else ""
-    return match.group("key"), value
+    key, raw = match.group("key"), match.group("value")
+    parts = key.count(".") + 1
+    if parts > MAX_DEPTH:
+        raise RecipeError(
+            f"override {shown(text)}: the key has {parts} parts, more than the {MAX_DEPTH} levels a recipe may "
+            "nest; a recipe needs only a few"
+        )
+    value = parse_yaml(raw, f"the value of override {shown(text)}") if raw.strip() else ""
+    height = _height(value)
+    if parts + height > MAX_DEPTH:
+        raise RecipeError(
+            f"override {shown(text)}: its key ({parts} levels) and value ({height} levels of lists and mappings) "
+            f"nest deeper than the {MAX_DEPTH} levels a recipe may; a recipe needs only a few"
+        )
+    return key, value
+
+
+def _height(value: Any) -> int:
+    """Levels of lists and mappings in parsed YAML (bounded by :data:`MAX_DEPTH` when parsed)."""
+    if isinstance(value, dict):
+        return 1 + max((_height(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((_height(v) for v in value), default=0)
+    return 0
+
+
+# -- interpolations -------------------------------------------------------------------------------
+
+_REFERENCE = re.compile(r"\.*[A-Za-z0-9_\-]+(?:\.[A-Za-z0-9_\-]+|\[\d+\])*")
+
+
+def _references(text: str) -> list[str]:
+    """Every key path that may be referred to inside the ``${...}`` of ``text`` (resolver names,
+    arguments and nested interpolations included: counting too much is safe, too little not)."""
+    found: list[str] = []
+    start = text.find("${")
+    while start != -1:
+        depth, i, end = 0, start, len(text)
+        while i < len(text):
+            if text.startswith("${", i):
+                depth += 1
+                i += 2
+                continue
+            if text[i] == "}":
+                depth -= 1
+                if depth == 0:
+                    end = i
+                    break
+            i += 1
+        found.extend(_REFERENCE.findall(text, start + 2, end))
+        start = text.find("${", end)
+    return found
+
+
+def _lookup(root: Any, path: tuple[Any, ...], reference: str) -> tuple[Any, ...] | None:
+    """The path of the node ``reference`` names from the node at ``path`` (None: no such node)."""
+    dots = len(reference) - len(reference.lstrip("."))
+    if dots > len(path):
+        return None
+    target: tuple[Any, ...] = path[: len(path) - dots] if dots else ()
+    node = root
+    for part in target:
+        node = node[part]
+    for part in re.split(r"[.\[\]]+", reference[dots:]):
+        if not part:
+            continue
+        if isinstance(node, dict) and part in node:
+            key: Any = part
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            key = int(part)
+        else:
+            return None
+        node = node[key]
+        target = (*target, key)
+    return target
+
+
+def _check_interpolations(root: dict[Any, Any], source: str) -> None:
+    """Refuse a recipe (plain data, interpolations not resolved) that would resolve into too many
+    values or characters, too deep a nesting or too long a chain of interpolations — before
+    OmegaConf expands anything. Linear in the recipe: each node is counted once, an interpolation
+    counts the node it refers to as often as it refers to it. Also bounds in-memory recipe data
+    (``load_recipe_dict(data=...)``), which no YAML reader has checked: a list that contains
+    itself is refused as too deep."""
+    # path -> (values, characters, height, chain of interpolations, whether an interpolation counts)
+    done: dict[tuple[Any, ...], tuple[int, int, int, int, bool]] = {}
+    edges: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}
+    stack: list[tuple[tuple[Any, ...], Any, bool]] = [((), root, False)]
+    while stack:
+        path, node, ready = stack.pop()
+        if path in done:
+            continue
+        where = f"the value at {shorten('.'.join(str(p) for p in path))!r}" if path else "the recipe"
+        if not ready:
+            if path in edges:  # on the current path: a cycle of interpolations, which OmegaConf reports
+                continue
+            if isinstance(node, (dict, list)) and len(path) >= MAX_DEPTH:
+                raise RecipeError(
+                    f"recipe {source!r}: {where} is nested deeper than {MAX_DEPTH} levels of lists and mappings; "
+                    "a recipe needs only a few"
+                )
+            if isinstance(node, dict):
+                targets = [(*path, k) for k in node]
+                children = list(node.values())
+            elif isinstance(node, list):
+                targets = [(*path, i) for i in range(len(node))]
+                children = list(node)
+            elif isinstance(node, str) and "${" in node:
+                found = (_lookup(root, path, ref) for ref in _references(node))
+                targets = [t for t in found if t is not None]
+                children = [_value_at(root, t) for t in targets]
+            else:
+                targets, children = [], []
+            edges[path] = targets
+            stack.append((path, node, True))
+            stack.extend((t, child, False) for t, child in zip(targets, children) if t not in done)
+            continue
+        counted = [done[t] for t in edges[path] if t in done]  # a target not done is a cycle: skipped
+        interpolated = any(c[4] for c in counted)
+        if isinstance(node, (dict, list)):
+            values = 1 + sum(c[0] for c in counted)
+            chars = sum(c[1] for c in counted)
+            height = 1 + max((c[2] for c in counted), default=0)
+            chain = max((c[3] for c in counted), default=0)
+        elif isinstance(node, str) and edges[path]:
+            values = 1 + sum(c[0] for c in counted)
+            chars = len(node) + sum(c[1] for c in counted)
+            height = max((c[2] for c in counted), default=0)
+            chain = 1 + max((c[3] for c in counted), default=0)
+            interpolated = True
+        else:
+            values, chars, height, chain = 1, len(node) if isinstance(node, str) else 0, 0, 0
+        resolved = " once its interpolations ${...} are resolved" if interpolated else ""
+        if values > MAX_VALUES:
+            raise RecipeError(
+                f"recipe {source!r}: {where} holds more than {MAX_VALUES:,} values{resolved}; a recipe holds at "
+                "most a few hundred"
+            )
+        if chars > MAX_RESOLVED_CHARS:
+            raise RecipeError(
+                f"recipe {source!r}: {where} holds more than {_size(MAX_RESOLVED_CHARS)} of text{resolved}; "
+                "a recipe is short"
+            )
+        if height > MAX_DEPTH:
+            raise RecipeError(
+                f"recipe {source!r}: {where} nests lists and mappings deeper than {MAX_DEPTH} levels{resolved}; "
+                "a recipe needs only a few"
+            )
+        if chain > MAX_INTERPOLATION_CHAIN:
+            raise RecipeError(
+                f"recipe {source!r}: {where} refers through more than {MAX_INTERPOLATION_CHAIN} interpolations "
+                "in a row (${a} refers to a value that is ${b}, which is ${c} ...); refer to the value itself"
+            )
+        done[path] = (values, chars, height, chain, interpolated)
+
+
+def _value_at(root: Any, path: tuple[Any, ...]) -> Any:
+    node = root
+    for part in path:
+        node = node[part]
+    return node
 
 
 def apply_override(cfg: DictConfig, key: str, value: Any) -> None:
@@ -164,13 +678,16 @@ def apply_override(cfg: DictConfig, key: str, value: Any) -> None:
         return
     if not isinstance(node, DictConfig):
         raise RecipeError(f"override {key}=...: the parent of {last!r} holds a value, not a section")
-    current = node.get(last) if last in node else None
+    # the value as written, unresolved: an interpolation there may be what this override replaces
+    child = node._get_node(last) if last in node else None
+    current = OmegaConf.to_container(child, resolve=False) if isinstance(child, (DictConfig, ListConfig)) else (
+        child._value() if child is not None else None)
     if last == "name" and len(parts) > 1 and parts[-2] in PLUGIN_FIELDS and current is not None and current != value:
         # naming a different plugin replaces its section, as in a file that overrides a base
         for other in list(node.keys()):
             del node[other]
-    if isinstance(current, DictConfig) and isinstance(value, dict):
-        merged = merge_sections(OmegaConf.to_container(current, resolve=False), value, last)
+    if isinstance(child, DictConfig) and isinstance(value, dict):
+        merged = merge_sections(current, value, last)
         node[last] = merged
     else:
         node[last] = value
@@ -191,17 +708,27 @@ def load_recipe_dict(
     """
     if (path is None) == (data is None):
         raise RecipeError("give exactly one of a recipe path or recipe data")
+    source = str(path) if path is not None else "<data>"
     try:
-        raw = _load_with_bases(Path(path), ()) if path is not None else dict(data or {})
+        if path is not None:
+            raw = _load_with_bases(Path(path), (), f"recipe {source!r}", None, _Bases())
+        else:
+            raw = dict(data or {})
+        # bounds the merged files (or in-memory data, which no YAML reader checked) before OmegaConf
+        # recurses into them; checked again with the defaults and overrides below
+        _check_interpolations(raw, source)
         cfg = OmegaConf.create(merge_sections(defaults, raw) if defaults else raw)
         for text in overrides:
             key, value = parse_override(text)
             apply_override(cfg, key, value)
+        unresolved = OmegaConf.to_container(cfg, resolve=False)
+        assert isinstance(unresolved, dict)
+        _check_interpolations(unresolved, source)
         resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as exc:
         bad_key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
-        where = f" at {bad_key}" if bad_key else ""
-        first = str(exc).splitlines()[0]
-        raise RecipeError(f"recipe {str(path or '<data>')!r}: cannot resolve{where}: {first}") from None
+        where = f" at {shorten(str(bad_key))}" if bad_key else ""
+        first = shorten(str(exc).splitlines()[0], 400)
+        raise RecipeError(f"recipe {source!r}: cannot resolve{where}: {first}") from None
     assert isinstance(resolved, dict)
     return resolved  # type: ignore[return-value]

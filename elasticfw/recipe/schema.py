@@ -73,14 +73,24 @@ class ModelSection(Section):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str, info: ValidationInfo) -> str:
+        if not value.strip():
+            raise ValueError("a model is required: a registered short name (e.g. smollm2-135m), a local folder or a hub id")
         registry: Registry = (info.context or {}).get("registry") or get_registry()
-        if ("model", value) in registry or _HUB_ID.match(value) or Path(value).expanduser().exists():
+        if ("model", value) in registry or _HUB_ID.match(value) or _path_exists(value):
             return value
         known = registry.names("model")
         raise ValueError(
             f"{value!r} is not a registered model name ({suggest(value, known)}registered: {', '.join(known)}), "
             "an existing local path, or a hub id of the form org/name"
         )
+
+
+def _path_exists(value: str) -> bool:
+    """Whether ``value`` names an existing path (a name the OS cannot even look up does not)."""
+    try:
+        return Path(value).expanduser().exists()
+    except (OSError, ValueError):  # file name too long, NUL byte, ...
+        return False
 
 
 def _base_elastic_fields(registry: Registry) -> dict[str, Any]:
@@ -123,6 +133,8 @@ def _check_block_sizes(section: BaseModel) -> BaseModel:
             f"retrieval_mode.block_size={a} and sparse_mode.block_size={b} must divide one another so both "
             "layouts can run in one launch"
         )
+    for size in sorted({s for s in (a, b) if s}):
+        section.executor.check_layout_block_size(size)  # type: ignore[attr-defined]
     return section
 
 
@@ -227,7 +239,8 @@ def _build_models(registry_id: int, revision: int) -> type[BaseModel]:  # revisi
         __base__=Section,
         __doc__="An elasticfw recipe.",
         description=(str, Field("", description="What this recipe is for.")),
-        seed=(int, Field(0, description="Seed of every random choice (samples, router init, Gumbel noise).")),
+        seed=(int, Field(0, ge=0, le=2**32 - 1,
+                         description="Seed of every random choice (samples, router init, Gumbel noise).")),
         model=(ModelSection, Field(ModelSection(), description="The backbone.")),
         elastic=(elastic, Field(elastic(), description="Routing and attention modes.")),  # type: ignore[call-arg]
         eval=(  # type: ignore[arg-type]
@@ -307,8 +320,6 @@ def check_sweep(recipe: Any) -> Any:
     sweep = recipe.sweep
     if sweep is None:
         return recipe
-    if not variants:
-        raise ValueError("sweep: needs a `compare:` list of variants to run")
     tasks = sweep_task_entries(recipe)
     if not tasks:
         raise ValueError("sweep.tasks: none given and the recipe has no eval.task to fall back on")
@@ -316,7 +327,7 @@ def check_sweep(recipe: Any) -> Any:
     dupes = sorted({t for t in labels if labels.count(t) > 1})
     if dupes:
         raise ValueError(f"sweep.tasks: two tasks are both labelled {dupes[0]!r}; give each a distinct `label`")
-    if sweep.reference is not None and sweep.reference not in variants:
+    if variants and sweep.reference is not None and sweep.reference not in variants:
         raise ValueError(f"sweep.reference = {sweep.reference!r}: not a compare label ({suggest(sweep.reference, variants)}"
                          f"labels: {', '.join(variants)})")
     if sweep.padding_side == "right" and sweep.batch_size > 1:
@@ -329,7 +340,7 @@ def check_sweep(recipe: Any) -> Any:
             raise ValueError(f"sweep.cells.{i} repeats sweep.cells.{seen[key]} ({cell.variant}, {cell.task}, "
                              f"length {cell.length}, seed {key[3]}): each cell runs once")
         seen[key] = i
-        if cell.variant not in variants:
+        if variants and cell.variant not in variants:
             raise ValueError(f"sweep.cells.{i}.variant = {cell.variant!r}: not a compare label "
                              f"({suggest(cell.variant, variants)}labels: {', '.join(variants)})")
         if cell.task not in labels:
@@ -355,7 +366,10 @@ def check_sweep(recipe: Any) -> Any:
 
 
 def merge_variants(data: Any) -> Any:
-    """Each ``compare[i].elastic`` is merged onto the recipe's ``elastic`` before validation."""
+    """Each ``compare[i].elastic`` is merged onto the recipe's ``elastic`` before validation. A
+    plugin section of the variant that names its plugin (``router: {name: fixed, ...}``) is taken
+    whole: it does not inherit the recipe's keys for that plugin, which the user did not write
+    there. One without ``name`` changes keys of the recipe's section."""
     from elasticfw.recipe.loader import merge_sections
 
     if not isinstance(data, dict) or not isinstance(data.get("compare"), list):
@@ -364,7 +378,10 @@ def merge_variants(data: Any) -> Any:
     merged = []
     for item in data["compare"]:
         if isinstance(item, dict) and isinstance(item.get("elastic", {}), dict):
-            item = {**item, "elastic": merge_sections(base, item.get("elastic") or {})}
+            own = item.get("elastic") or {}
+            named = {k for k, v in own.items() if k in PLUGIN_FIELDS and isinstance(v, dict) and "name" in v}
+            trimmed = {k: v for k, v in base.items() if k not in named} if isinstance(base, dict) else base
+            item = {**item, "elastic": merge_sections(trimmed, own)}
         merged.append(item)
     return {**data, "compare": merged}
 

@@ -3,7 +3,8 @@
 ``build_report(RUN)`` reads ``RUN/sweep.json``, ``RUN/rows.jsonl`` and ``RUN/failures.jsonl`` (see
 :mod:`elasticfw.report.runfile`) and writes, each file atomically:
 
-* ``RUN/table.md`` — the paper-Table-1 tables (one per context length, plus all lengths pooled);
+* ``RUN/table.md`` — the paper-Table-1 tables (one per context length, plus all lengths pooled),
+  and how input-adaptive each method's routing is (:mod:`elasticfw.report.routing`);
 * ``RUN/table.csv`` — the same rows in wide form with exact interval bounds;
 * ``RUN/cells.csv`` — one line per (variant, task, length) cell;
 * ``RUN/figures/*.png`` and ``*.svg`` — see :mod:`elasticfw.report.plots`;
@@ -21,6 +22,7 @@ from elasticfw.report.aggregate import Cell, Run, TableRow, cells, load_run, tab
 from elasticfw.report.errors import ReportError
 from elasticfw.report.html import render_html
 from elasticfw.report.plots import pareto_skip_reason, write_figures
+from elasticfw.report.routing import routing_markdown, routing_summaries
 from elasticfw.report.stats import mean_interval, wilson_interval
 from elasticfw.report.tables import cells_csv, markdown_table, wide_csv
 
@@ -57,8 +59,10 @@ def build_report(run_dir: Path | str, *, confidence: float = 0.95) -> dict[str, 
     )
     per_length = cells(run.rows, run.reference, confidence=confidence)
     title = f"Sweep report: {run.path.name}"
+    routing = routing_summaries(run.rows, run.variants)
     tables = {
-        "table.md": markdown_table(rows, run.tasks, title=title, reference=run.reference),
+        "table.md": markdown_table(rows, run.tasks, title=title, reference=run.reference)
+        + ("\n" + routing_markdown(routing) if routing else ""),
         "table.csv": wide_csv(rows, run.tasks),
         "cells.csv": cells_csv(per_length),
     }
@@ -68,7 +72,8 @@ def build_report(run_dir: Path | str, *, confidence: float = 0.95) -> dict[str, 
         written["tables"].append(run.path / name)
     written["figures"] = write_figures(run, run.path / "figures", confidence=confidence)
     note = pareto_skip_reason(run.reference, per_length)
-    page = render_html(run, rows, figures=written["figures"], notes=[note] if note else [], title=title)
+    page = render_html(run, rows, figures=written["figures"], notes=[note] if note else [], title=title,
+                       routing=routing)
     atomic_write_text(run.path / "report.html", page)
     written["html"].append(run.path / "report.html")
     return written

@@ -13,6 +13,7 @@ from typing import Any
 
 from elasticfw.report.aggregate import Run, TableRow, TaskInfo, length_label
 from elasticfw.report.plots import caption
+from elasticfw.report.routing import RoutingSummary
 from elasticfw.report.tables import LEGEND, block_title, blocks, row_values, table_columns
 
 _CSS = """
@@ -174,6 +175,25 @@ def _figures(figures: Sequence[Path], notes: Sequence[str]) -> str:
     return "\n".join(out)
 
 
+def _routing(summaries: Sequence[RoutingSummary]) -> str:
+    if not summaries:
+        return ""
+    headers = ["variant", "heads", "retrieval heads, sensitive", "retrieval heads, robust", "adaptive samples",
+               "task-dependent heads (layer/head: sensitive vs robust)"]
+    body = [
+        [s.variant, s.heads, *(f"{s.retrieval_heads[c]:.1f}" if c in s.retrieval_heads else "—"
+                               for c in ("sensitive", "robust")),
+         f"{s.adaptive_samples:.2f}",
+         ", ".join(f"L{layer}/H{head}: {a:.2f} vs {b:.2f}" for layer, head, a, b in s.task_dependent_heads) or "none"]
+        for s in summaries
+    ]
+    return ("<h2>Routing: how input-adaptive is each method?</h2>"
+            "<p class=\"note\">Retrieval heads: mean KV heads per sample in the retrieval mode. Adaptive samples: "
+            "fraction of samples whose assignment differs anywhere from the method's majority assignment (0 for a "
+            "static assignment). Task-dependent heads: retrieval frequency differs by more than 0.1 between task "
+            "categories.</p>" + _table(headers, body))
+
+
 def render_html(
     run: Run,
     rows: Sequence[TableRow],
@@ -181,6 +201,7 @@ def render_html(
     figures: Sequence[Path],
     notes: Sequence[str] = (),
     title: str | None = None,
+    routing: Sequence[RoutingSummary] = (),
 ) -> str:
     """The whole page. ``figures`` are the written figure files (PNGs are inlined, SVGs ignored);
     ``notes`` are shown above them (e.g. why a figure was skipped)."""
@@ -194,6 +215,7 @@ def render_html(
         _status(run),
         _provenance(run),
         _results(rows, tasks),
+        _routing(routing),
         _failures(run),
         _figures(figures, notes),
         "</body></html>",

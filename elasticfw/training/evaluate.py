@@ -44,7 +44,8 @@ def evaluate_heldout(
     results: dict[str, dict[str, dict[str, Any]]] = {}
     variants: list[tuple[str, Path | None]] = [(FULL, None), *adapters.items()]
     for label, adapter in variants:
-        subject = model if adapter is None else load_adapter(model, adapter, registry=registry)
+        subject = model if adapter is None else load_adapter(
+            model, adapter, registry=registry, base_model=recipe.model.name)
         try:
             per_task = {}
             for task_label, (task, samples) in sets.items():

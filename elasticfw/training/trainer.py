@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from elasticfw.atomic import atomic_replace_dir
 from elasticfw.errors import CheckpointError, TrainingError, UnsupportedInputError
 from elasticfw.routing.gumbel import sample_noise
 from elasticfw.training.data import MixtureTask, collate, shard, step_slots
@@ -242,7 +241,7 @@ def train_router(
             raise TrainingError(f"the frozen backbone changed during training ({changed[:3]}); this is a bug")
     adapter = run_dir / "adapter"
     if dist.is_main:
-        atomic_replace_dir(adapter, elastic.save_adapter)
+        elastic.save_adapter(adapter, overwrite=True)  # atomic; a resumed run replaces its adapter
         rows = read_metrics(run_dir)
         if rows:
             plot_msr(rows, run_dir / "msr.png", {t.label: target_bounds(t.target) for t in mixture})

@@ -103,6 +103,14 @@ class FlexConfig(ExecutorConfig):
         512, ge=1, description="Emulated path: padded query rows processed at once (memory chunk x S)."
     )
 
+    def check_layout_block_size(self, block_size: int) -> None:
+        kb = self.kernel_block_size
+        if kb is not None and kb % block_size and block_size % kb:
+            raise ValueError(
+                f"executor.kernel_block_size = {kb} must divide or be a multiple of the modes' block_size "
+                f"({block_size})"
+            )
+
 
 _COMPILED: dict[tuple[bool, str], Callable[..., Any]] = {}
 
@@ -229,7 +237,6 @@ class FlexExecutor(Executor):
         scale: float,
         need_lse: bool = True,
     ) -> AttentionOutput:
-        self.check_inputs(q, k, v, seq)
         cfg = self.config
         impl = self.implementation(q.device)
         kb = self.kernel_block_size(layout.block_size, impl, q.device)

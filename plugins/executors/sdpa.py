@@ -48,7 +48,6 @@ class SDPAExecutor(Executor):
         scale: float,
         need_lse: bool = True,
     ) -> AttentionOutput:
-        self.check_inputs(q, k, v, seq)
         hq = q.shape[1]
         plain_prefill = seq.q_len == seq.kv_capacity and not bool(seq.q_start.any())
         if layout.dense_causal and plain_prefill and not need_lse:

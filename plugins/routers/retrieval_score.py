@@ -33,15 +33,24 @@ class RetrievalScoreConfig(RouterConfig):
     @field_validator("probe_task")
     @classmethod
     def _task(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        from elasticfw.registry import get_registry
+        from pydantic import ValidationError
+
+        from elasticfw.registry import get_registry, unknown_name_message
 
         registry = (info.context or {}).get("registry") or get_registry()
         name = value.get("name")
-        entry = registry.entry("task", name)  # unknown name: UnknownPluginError with suggestions
+        known = registry.names("task")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name = {name!r}: a task plugin's name is required (registered: {', '.join(known)})")
+        if ("task", name) not in registry:
+            raise ValueError(f"name = {name!r}: " + unknown_name_message("task", name, known))
         try:
-            entry.config_class.model_validate(value)  # type: ignore[union-attr]
-        except ValueError as exc:
-            raise ValueError(f"probe_task is not a valid {name!r} task: {exc}") from None
+            registry.entry("task", name).config_class.model_validate(value)  # type: ignore[union-attr]
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors(include_url=False)
+            )
+            raise ValueError(f"not a valid {name!r} task: {problems}") from None
         return value
 
 
@@ -116,7 +125,11 @@ class RetrievalScoreRouter(Router):
         heads = self.heads
         group = heads.num_q_heads // heads.num_kv_heads
         grouped = per_query_head.view(heads.num_routed, heads.num_kv_heads, group)
-        scores = grouped.mean(-1) if self.config.aggregate == "mean" else grouped.amax(-1)
+        self._rank(grouped.mean(-1) if self.config.aggregate == "mean" else grouped.amax(-1))
+
+    def _rank(self, scores: torch.Tensor) -> None:
+        """Fix the assignment from (L_routed, Hkv) per-KV-head scores (kept in float32, as saved)."""
+        scores = scores.detach().to(torch.float32)
         keep = math.floor((1.0 - self.config.target_msr) * scores.numel() + 1e-9)
         order = torch.argsort(scores.flatten(), descending=True, stable=True)
         table = torch.ones(scores.numel())
@@ -128,8 +141,19 @@ class RetrievalScoreRouter(Router):
         return {} if self.scores is None else {"scores": self.scores.tolist()}
 
     def load_extra_state(self, state: dict) -> None:
-        if "scores" in state:
+        if "scores" not in state:
+            return
+        # stored per KV head (float32 values, exact in JSON): rank them as they are; going back
+        # through set_scores' aggregation would not return them bit for bit (a mean of copies)
+        want = (self.heads.num_routed, self.heads.num_kv_heads)
+        try:
             scores = torch.tensor(state["scores"], dtype=torch.float32)
-            group = self.heads.num_q_heads // self.heads.num_kv_heads
-            # stored per KV head: expand so set_scores' aggregation returns them unchanged
-            self.set_scores(scores.repeat_interleave(group, dim=1))
+        except (TypeError, ValueError):
+            raise ElasticError(f"retrieval_score scores must be a {want[0]} x {want[1]} list of numbers") from None
+        if tuple(scores.shape) != want:
+            raise ElasticError(
+                f"retrieval_score scores have shape {tuple(scores.shape)}, expected {want} (routed layers x KV heads)"
+            )
+        if not bool(torch.isfinite(scores).all()):
+            raise ElasticError("retrieval_score scores hold NaN or Inf")
+        self._rank(scores)

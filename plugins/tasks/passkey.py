@@ -4,11 +4,12 @@ same samples serve as retrieval-score probes (Elastic Attention App. C, Eq. 9)."
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from elasticfw.errors import UnsupportedInputError
 from elasticfw.eval.task import Sample, Split, Task, TaskConfig, check_split
@@ -30,6 +31,17 @@ class PasskeyConfig(TaskConfig):
         None, description="Needle depths in [0, 1] cycled over samples; default: evenly spread 0.1..0.9."
     )
     digits: int = Field(5, ge=1, le=12, description="Digits of the pass key.")
+
+    @field_validator("depths")
+    @classmethod
+    def _depths(cls, value: list[float] | None) -> list[float] | None:
+        if value is not None:
+            if not value:
+                raise ValueError("give at least one depth, or leave depths out for the default spread")
+            bad = [d for d in value if not (math.isfinite(d) and 0.0 <= d <= 1.0)]
+            if bad:
+                raise ValueError(f"every needle depth must lie in [0, 1] (0 = start, 1 = end), got {bad[0]!r}")
+        return value
     chat_template: bool = Field(True, description="Wrap the prompt in the tokenizer's chat template if it has one.")
     answer_prefix: str = Field("The pass key is", description="Assistant text placed before generation.")
 
