@@ -38,6 +38,9 @@ def test_bench_runs_every_registered_mode_on_cpu(tmp_path):
             assert entry in names, entry
     timed = [r for r in data["results"] if r["kind"] == "fwd" and r["name"].startswith("flex:")]
     assert all(r["ms"] > 0 and r["ratio_vs_sdpa_math"] > 0 for r in timed)
+    # a second run does not replace the report unless asked
+    before = out.read_bytes()
+    assert bench.main(args) == 2 and out.read_bytes() == before
     assert any(r["name"].startswith("flex:hybrid(") for r in timed)
 
 

@@ -395,6 +395,21 @@ def test_compare_runs_a_trained_adapter_like_the_trained_model(registry, tmp_pat
         validate_recipe_data(bad, registry=registry)
 
 
+def test_resume_from_a_damaged_checkpoint_is_a_checkpoint_error(registry, tmp_path):
+    recipe, _, mixture, elastic = _setup(registry, tmp_path, steps=2)
+    train_router(elastic, mixture, recipe.train, tmp_path, seed=0, pad_id=0, progress=False)
+    latest = tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text().strip()
+    for name in ("trainer_state.safetensors", "elastic_adapter.safetensors"):
+        path = latest / name
+        original = path.read_bytes()
+        path.write_bytes(original[: len(original) // 2])  # a disk that filled up mid-write
+        recipe, _, mixture, elastic = _setup(registry, tmp_path, steps=2)
+        with pytest.raises(CheckpointError, match=rf"{name}: not a readable safetensors file"):
+            train_router(elastic, mixture, recipe.train, tmp_path, seed=0, pad_id=0, progress=False, resume=True)
+        elastic.unwrap()
+        path.write_bytes(original)
+
+
 def test_resume_refuses_a_changed_schedule_and_tolerates_a_torn_metrics_line(registry, tmp_path):
     recipe, _, mixture, elastic = _setup(registry, tmp_path, steps=2)
     train_router(elastic, mixture, recipe.train, tmp_path, seed=0, pad_id=0, progress=False)

@@ -511,7 +511,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m elasticfw.bench.attention", description=__doc__.splitlines()[0]
     )
-    p.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    p.add_argument("--out", type=Path, required=True, help="JSON file to write (refused if it exists)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.add_argument(
         "--seq", type=int, nargs="*", default=[8192, 32768], help="sequence lengths (none: skip timing)"
     )
@@ -555,6 +556,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
+    if args.out.exists() and not args.overwrite:
+        print(f"[bench] {args.out} exists; pass --overwrite to replace it, or choose another --out", file=sys.stderr)
+        return 2
     if device.type == "cuda" and not torch.cuda.is_available():
         print("[bench] CUDA requested but not available", file=sys.stderr)
         return 2

@@ -103,4 +103,16 @@ def read_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
     weights = path / STATE_WEIGHTS
     if not weights.is_file():
         raise CheckpointError(f"checkpoint {path}: {STATE_WEIGHTS} is missing")
-    return load_file(str(weights)), meta
+    return load_tensors(weights), meta
+
+
+def load_tensors(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, or a :class:`CheckpointError` naming it (truncated, not
+    safetensors, unreadable)."""
+    from safetensors import SafetensorError
+
+    try:
+        return load_file(str(path), device=device)
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({str(exc).splitlines()[0][:200]}); "
+                              "the checkpoint is damaged: resume from an earlier one or start again") from None

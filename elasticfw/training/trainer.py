@@ -296,9 +296,8 @@ def _save(run_dir, step, elastic, lagrangian, optimizer, lambda_opt, scheduler, 
 
 
 def _restore(run_dir, elastic, lagrangian, optimizer, lambda_opt, scheduler, mixture, settings, seed) -> int:
-    from safetensors.torch import load_file
-
     from elasticfw.model.checkpoint import WEIGHTS, read_adapter_config
+    from elasticfw.training.state import load_tensors
 
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
@@ -323,8 +322,12 @@ def _restore(run_dir, elastic, lagrangian, optimizer, lambda_opt, scheduler, mix
             f"the recipe trains {elastic.router.name!r}"
         )
     device = next(elastic.router.parameters()).device
-    state = load_file(str(ckpt / WEIGHTS), device=str(device))
-    elastic.router.load_state_dict(state, strict=True)
+    state = load_tensors(ckpt / WEIGHTS, device=str(device))
+    try:
+        elastic.router.load_state_dict(state, strict=True)
+    except RuntimeError as exc:  # missing/unexpected keys or shapes: another router's checkpoint
+        raise CheckpointError(f"--resume: {ckpt / WEIGHTS} does not fit router {elastic.router.name!r}: "
+                              f"{str(exc).splitlines()[0][:300]}") from None
     elastic.router.load_extra_state(saved.get("router_state") or {})
     with torch.no_grad():
         lagrangian.lambda1.copy_(tensors["lagrangian.lambda1"])
