@@ -1,6 +1,6 @@
 """The ``elasticfw`` command line.
 
-    elasticfw plugins [--kind KIND] [--json]
+    elasticfw plugins [--kind KIND] [--json] [-v]
     elasticfw recipe validate FILE [key=value ...]
     elasticfw recipe show FILE [key=value ...]
     elasticfw recipe schema
@@ -42,10 +42,12 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     for entry in registry.entries(args.kind):
         fields = {}
+        descriptions = {}
         if entry.config_class is not None:
             for fname, info in entry.config_class.model_fields.items():
                 if fname != "name":
                     fields[fname] = None if info.is_required() else info.get_default(call_default_factory=True)
+                    descriptions[fname] = info.description or ""
         extra = {}
         if entry.kind == "backbone":
             extra["model_types"] = list(getattr(entry.cls, "model_types", ()))
@@ -57,6 +59,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
                 "entry_point": entry.entry_point,
                 "summary": entry.summary,
                 "config": fields,
+                "descriptions": descriptions,
                 **extra,
             }
         )
@@ -70,7 +73,10 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
             print("  (none)")
         for r in kind_rows:
             print(f"  {r['name']:<18} from {r['origin']:<20} {r['summary']}")
-            if r["config"]:
+            if r["config"] and args.verbose:
+                for k, v in r["config"].items():
+                    print(f"      {k} = {v!r}" + (f"  — {r['descriptions'][k]}" if r["descriptions"][k] else ""))
+            elif r["config"]:
                 print("      " + ", ".join(f"{k}={v!r}" for k, v in r["config"].items()))
             if r.get("model_types"):
                 print("      model_types: " + ", ".join(r["model_types"]))
@@ -158,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plugins", help="list registered plugins, their origin and config fields")
     p.add_argument("--kind", choices=None, help="only this kind (sparse_mode, executor, router, ...)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("-v", "--verbose", action="store_true", help="one line per config field, with its description")
     p.set_defaults(func=_cmd_plugins)
 
     recipe = sub.add_parser("recipe", help="validate, show or describe recipes")

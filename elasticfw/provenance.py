@@ -63,4 +63,23 @@ def environment(device: torch.device) -> dict[str, Any]:
         env["gpu"] = None
         env["cpu"] = platform.processor() or platform.machine()
         env["threads"] = torch.get_num_threads()
+    env["plugins"] = plugin_distributions()
     return env
+
+
+def plugin_distributions() -> dict[str, str | None]:
+    """Every distribution that registered plugins in this process, with its installed version
+    (``None`` for in-process registrations), so a result says which plugin code produced it."""
+    from importlib import metadata
+
+    from elasticfw.registry import get_registry
+
+    out: dict[str, str | None] = {}
+    for entry in get_registry().entries():
+        if entry.origin in out:
+            continue
+        try:
+            out[entry.origin] = metadata.version(entry.origin)
+        except metadata.PackageNotFoundError:
+            out[entry.origin] = None
+    return dict(sorted(out.items()))

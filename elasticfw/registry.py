@@ -240,7 +240,8 @@ class Registry:
 def unknown_name_message(kind: str, name: str, known: Iterable[str]) -> str:
     known = sorted(known)
     listed = ", ".join(known) if known else "(none registered)"
-    return f"unknown {kind} {name!r}; {suggest(str(name), known)}registered {kind} names: {listed}"
+    return (f"unknown {kind} {name!r}; {suggest(str(name), known)}registered {kind} names: {listed} (a plugin from "
+            "a package that is not installed here? install it; `elasticfw plugins` lists what is)")
 
 
 def _kind_spec(kind: str) -> KindSpec:
@@ -290,6 +291,29 @@ def _iter_entry_points() -> list[metadata.EntryPoint]:
     return unique
 
 
+#: comma-separated distribution names whose elasticfw plugins are not loaded (a broken third-party
+#: package need not block commands that do not use it)
+DISABLE_ENV = "ELASTICFW_DISABLE_PLUGINS"
+
+
+def _disabled_distributions() -> set[str]:
+    import os
+
+    return {d.strip() for d in os.environ.get(DISABLE_ENV, "").split(",") if d.strip()}
+
+
+def _raised_at(exc: BaseException) -> str:
+    """`` (raised at file.py:LINE in func)``: where the plugin's own code failed (CLI errors print
+    no traceback)."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return ""
+    last = frames[-1]
+    return f" (raised at {last.filename}:{last.lineno} in {last.name})"
+
+
 def load_registry(
     *, entry_points: bool = True, extra_plugins: Iterable[tuple[str, object]] = ()
 ) -> Registry:
@@ -306,12 +330,15 @@ def load_registry(
         for ep in _iter_entry_points():
             dist = ep.dist.name if ep.dist is not None else "<unknown distribution>"
             where = f"elasticfw plugin entry point {ep.name!r} = {ep.value!r} from distribution {dist!r}"
+            if dist in _disabled_distributions():
+                continue
             try:
                 module = ep.load()
             except Exception as exc:  # re-raised with the plugin named
                 raise PluginLoadError(
-                    f"{where} failed to import: {type(exc).__name__}: {exc}. Fix or uninstall "
-                    f"{dist!r}; elasticfw does not skip broken plugins"
+                    f"{where} failed to import: {type(exc).__name__}: {exc}{_raised_at(exc)}. Fix or uninstall "
+                    f"{dist!r}; elasticfw does not skip broken plugins silently (to run without it, set "
+                    f"{DISABLE_ENV}={dist})"
                 ) from exc
             plugin_name = f"{dist}:{ep.name}"
             if pm.is_registered(module):

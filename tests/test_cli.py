@@ -63,6 +63,16 @@ def test_plugins_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert streaming["origin"] == "elasticfw" and streaming["entry_point"] == "builtin_modes"
     assert streaming["config"]["sink_tokens"] == 128
     assert "llama" in by_name["backbone", "llama"]["model_types"]
+    from elasticfw.registry import get_registry
+
+    want = get_registry().entry("sparse_mode", "streaming").config_class.model_fields["sink_tokens"].description
+    assert want and streaming["descriptions"]["sink_tokens"] == want
+
+
+def test_plugins_verbose_shows_each_fields_description(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plugins", "--kind", "sparse_mode", "-v"]) == 0
+    out = capsys.readouterr().out
+    assert "      sink_tokens = 128  — Initial tokens every query sees (attention sinks)." in out
 
 
 def test_plugins_one_kind(capsys: pytest.CaptureFixture[str]) -> None:

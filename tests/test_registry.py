@@ -383,6 +383,40 @@ def test_entry_point_that_fails_to_import(on_sys_path: Path) -> None:
     assert "distribution 'elasticfw-broken-plugin'" in msg
     assert "ImportError: needs a kernel that is not installed" in msg
     assert isinstance(info.value, PluginError)
+    # where its own code failed (the CLI prints no traceback), and how to go on without it
+    assert f"raised at {on_sys_path / 'elasticfw_broken_plugin' / '__init__.py'}:1 in <module>" in msg
+    assert "set ELASTICFW_DISABLE_PLUGINS=elasticfw-broken-plugin" in msg
+
+
+def test_a_disabled_distribution_is_not_loaded(on_sys_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    make_distribution(
+        on_sys_path,
+        "elasticfw_broken_plugin",
+        "elasticfw-broken-plugin",
+        "raise ImportError('needs a kernel that is not installed')\n",
+        {"broken": "elasticfw_broken_plugin"},
+    )
+    monkeypatch.setenv("ELASTICFW_DISABLE_PLUGINS", " elasticfw-broken-plugin ,other")
+    registry = load_registry()
+    assert "streaming" in registry.names("sparse_mode")  # the built-ins still load
+    monkeypatch.setenv("ELASTICFW_DISABLE_PLUGINS", "elasticfw")
+    with pytest.raises(PluginLoadError):  # the broken one is back
+        load_registry()
+
+
+def test_results_record_the_plugin_distributions() -> None:
+    from importlib import metadata
+
+    from elasticfw.provenance import environment
+
+    plugins = environment(torch.device("cpu"))["plugins"]
+    assert plugins["elasticfw"] == metadata.version("elasticfw")
+
+
+def test_an_unknown_plugin_name_hints_at_an_uninstalled_package() -> None:
+    with pytest.raises(RecipeError, match=r"unknown sparse_mode 'minference'.*a plugin from a package that is not "
+                                          r"installed here\? install it"):
+        validate_recipe_data({"elastic": {"sparse_mode": {"name": "minference"}}})
 
 
 def test_entry_point_naming_a_missing_module(on_sys_path: Path) -> None:
