@@ -68,4 +68,6 @@ def test_passkey_full_vs_streaming_vs_retrieval_score(smollm2):
     # floor((1 - 0.5) * 30 * 3) = 45 of 90 KV heads stay full
     assert retrieval["msr"] == pytest.approx(0.5)
     assert 0 < retrieval["esr"] < streaming["esr"]
-    assert retrieval["accuracy"] >= streaming["accuracy"]
+    # keeping the retrieval-score heads full recovers the needle that all-streaming loses (measured:
+    # 3/3); comparing with streaming's accuracy, asserted to be 0 above, could not fail
+    assert retrieval["accuracy"] >= 2 / 3

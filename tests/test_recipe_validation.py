@@ -157,3 +157,14 @@ def test_a_problem_of_the_recipes_section_is_reported_once_not_per_variant():
     }
     message = _refused(data, "(1 problem)", "elastic: retrieval_mode.block_size=64 and sparse_mode.block_size=48")
     assert "compare." not in message
+
+
+def test_a_hub_id_that_cannot_be_loaded_is_one_error_naming_the_field(monkeypatch):
+    from elasticfw.errors import BackendUnavailableError
+    from elasticfw.model.loading import load_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network here either way: nothing to download from
+    section = validate_recipe_data({"model": {"name": "no-such-org/no-such-model", "device": "cpu"}}).model
+    with pytest.raises(BackendUnavailableError, match=r"model.name = 'no-such-org/no-such-model': transformers could "
+                                                      r"not load it .*network access or the model in its Hugging Face cache"):
+        load_model(section)

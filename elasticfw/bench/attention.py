@@ -386,13 +386,14 @@ def correctness(N: int, args: argparse.Namespace, rec: Recorder, device: torch.d
     """The flex executor (as configured) against the reference executor on this device, for every
     registered mode: outputs, lse and q/k/v gradients on a dense prefill, a chunked prefill with
     unaligned per-sample query starts, and a decode step."""
-    from elasticfw.testing.modes import TOLERANCE, rel_rms
+    from elasticfw.testing.modes import LSE_TOLERANCE, TOLERANCE, rel_rms
     from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
     from elasticfw_plugins.executors.reference import ReferenceExecutor
 
     dtype = DTYPES[args.dtype]
     hq, hkv, D = args.q_heads, args.kv_heads, args.head_dim
     tol = TOLERANCE[dtype]
+    lse_tol = LSE_TOLERANCE[dtype]
     executor = FlexExecutor(FlexConfig(implementation=args.implementation))
     reference = ReferenceExecutor()
     cases = {
@@ -434,12 +435,16 @@ def correctness(N: int, args: argparse.Namespace, rec: Recorder, device: torch.d
                 fin = torch.isfinite(a) & torch.isfinite(b)
                 row["lse_max_abs"] = float((a[fin] - b[fin]).abs().max()) if bool(fin.any()) else 0.0
                 row["grad_rel_rms"] = {n: rel_rms(x, y) for n, x, y in zip("qkv", grads, rgrads)}
-                row["tolerance"] = {"out": tol, "grad": 3 * tol}
+                row["tolerance"] = {"out": tol, "grad": 3 * tol, "lse": lse_tol}
                 bad = []
                 if not row["out_rel_rms"] < tol:
                     bad.append(f"out rel RMS {row['out_rel_rms']:.2e}")
                 if row["lse_inf_mismatch"]:
                     bad.append(f"{row['lse_inf_mismatch']} lse -inf mismatches")
+                if not row["lse_max_abs"] < lse_tol:
+                    bad.append(f"lse max abs {row['lse_max_abs']:.2e} >= {lse_tol}")
+                if bool(torch.isnan(a).any()):  # NaN is neither inf nor finite: counted by neither check above
+                    bad.append(f"{int(torch.isnan(a).sum())} NaN lse")
                 bad += [f"d{n} rel RMS {e:.2e}" for n, e in row["grad_rel_rms"].items() if not e < 3 * tol]
                 if bad:
                     raise AssertionError(f"flex vs reference ({case}): " + ", ".join(bad))

@@ -13,10 +13,19 @@ A plugin package tests its mode by subclassing :class:`ModeConformance` in a pyt
         def token_reference(q, k, seq, config):     # independent token-level definition
             ...                                     # -> (B, Hq, Sq, Sk) bool, causality included
 
+        @staticmethod                               # optional, for modes with a side branch
+        def side_reference(q, k, v, seq, config):   # its extra keys, values and visibility
+            ...                                     # -> (B, Hkv, M, D), (B, Hkv, M, D), (B, Hq, Sq, M)
+
 elasticfw runs the same class over every registered mode. Every check compares against an
 independent definition: plain causal SDPA (dense limit), the token-level reference the test
 author writes (never the plugin's own layout code), direct counting of a dense mask (density),
-and the reference executor (other executors, outputs and q/k/v gradients).
+and the reference executor (other executors: outputs, log-sum-exps and q/k/v gradients).
+Outputs and log-sum-exps are checked at the default attention scale and at scales that are not
+the default (:data:`SCALES`), so an executor that ignores or re-derives ``scale`` fails.
+
+To test several configurations of one mode (e.g. a granularity switch, an optional branch),
+subclass once per configuration with its own ``small_config``.
 """
 
 from __future__ import annotations
@@ -43,6 +52,18 @@ SHAPES: list[tuple[int, int, int, int, int, int]] = [
 ]
 #: relative-RMS tolerance of a non-reference executor against the reference, per dtype
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+#: largest absolute difference (natural log) of a non-reference executor's log-sum-exp from the
+#: reference's, per input dtype. Both see the same input values and accumulate scores in float32,
+#: so the input dtype hardly matters: measured ~1e-6 for sdpa/flex on CPU and for the compiled
+#: flex kernel in bf16 on an H200 (results/flex_check_h200.json)
+LSE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-3, torch.float16: 1e-3}
+#: attention scales the output checks run with, as functions of head_dim: the default and two
+#: that are not (one below it, one above)
+SCALES: dict[str, Callable[[int], float]] = {
+    "default": lambda d: d**-0.5,
+    "0.37": lambda d: 0.37,
+    "1.7/sqrt(d)": lambda d: 1.7 * d**-0.5,
+}
 
 
 def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -100,6 +121,16 @@ def real_rows(seq: SeqInfo) -> torch.Tensor:
     return seq.query_valid()[:, None, :, None]
 
 
+def lse_mismatch(lse: torch.Tensor, expected: torch.Tensor, seq: SeqInfo) -> tuple[int, float]:
+    """(rows where one is infinite and the other not, or either is NaN; largest absolute
+    difference of the rows finite in both) over real rows of two (B, Hq, Sq) log-sum-exps."""
+    rows = seq.query_valid()[:, None, :].expand_as(lse)
+    a, b = lse.detach()[rows].double(), expected.detach()[rows].double()
+    inf_mismatch = int(((torch.isinf(a) != torch.isinf(b)) | torch.isnan(a) | torch.isnan(b)).sum())
+    fin = torch.isfinite(a) & torch.isfinite(b)
+    return inf_mismatch, float((a[fin] - b[fin]).abs().max()) if bool(fin.any()) else 0.0
+
+
 class ModeConformance:
     """Behaviour every attention mode must have. Subclass it; see the module docstring."""
 
@@ -110,6 +141,11 @@ class ModeConformance:
     #: token after the end of t's block (block-level estimators such as XAttention)
     token_causal: ClassVar[bool] = False
     token_reference: ClassVar[Callable[..., torch.Tensor] | None] = None
+    #: modes with a side branch (merged by log-sum-exp): ``(q, k, v, seq, config) -> (k_extra,
+    #: v_extra, visible)``, its extra keys and values (B, Hkv, M, D) and which query sees which
+    #: (B, Hq, Sq, M) bool, written independently; the output check then covers the merge.
+    #: Without it, the output check skips modes with a side branch.
+    side_reference: ClassVar[Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None] = None
 
     def mode(self, **extra: Any) -> AttentionMode:
         return make_mode(self.mode_name, {**self.small_config, **extra})
@@ -134,15 +170,33 @@ class ModeConformance:
             pytest.skip("no token definition (reported by test_layout_matches_token_definition)")
         mode = self.mode()
         q, k, v, seq = make_inputs(shape)
-        out = mode.attend(q, k, v, seq, reference_executor(), scale=q.shape[-1] ** -0.5).out
+        dim = q.shape[-1]
+        side = mode.side_branch(q, k, v, seq, scale=dim**-0.5) is not None
+        side_reference = type(self).side_reference
+        if side and side_reference is None:
+            pytest.skip("mode has a side branch and the test class gives no side_reference for it")
         mask = type(self).token_reference(q, k, seq, mode.config)
         group = q.shape[1] // k.shape[1]
-        expected = _masked_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), mask)
-        extra = mode.side_branch(q, k, v, seq, scale=q.shape[-1] ** -0.5)
-        if extra is not None:
-            pytest.skip("mode has a side branch; covered by its own tests")
-        rows = real_rows(seq).expand_as(out)
-        assert torch.allclose(out[rows], expected[rows], atol=1e-5, rtol=1e-5)
+        keys, values = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        if side:
+            k_extra, v_extra, visible = side_reference(q, k, v, seq, mode.config)
+            keys = torch.cat([keys, k_extra.repeat_interleave(group, 1)], 2)
+            values = torch.cat([values, v_extra.repeat_interleave(group, 1)], 2)
+            mask = torch.cat([mask, visible], -1)
+        ex = reference_executor()
+        for name, scale_of in SCALES.items():
+            scale = scale_of(dim)
+            result = mode.attend(q, k, v, seq, ex, scale=scale)
+            expected, expected_lse = _masked_attention_lse(q, keys, values, mask, scale)
+            rows = real_rows(seq).expand_as(result.out)
+            err = float((result.out[rows].double() - expected[rows].double()).abs().max())
+            assert torch.allclose(result.out[rows], expected[rows], atol=1e-5, rtol=1e-5), (
+                f"scale {name}: reference output differs from the token definition by {err:.2e}"
+            )
+            assert result.lse is not None, "the reference executor always returns the log-sum-exp"
+            inf_mismatch, lse_err = lse_mismatch(result.lse, expected_lse, seq)
+            assert inf_mismatch == 0, f"scale {name}: {inf_mismatch} log-sum-exp rows differ in being -inf (or are NaN)"
+            assert lse_err < 1e-4, f"scale {name}: reference log-sum-exp differs from the definition by {lse_err:.2e}"
 
     # -- causality ----------------------------------------------------------------------------
     @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[2]])
@@ -193,12 +247,13 @@ class ModeConformance:
             pytest.fail(f"mode {self.mode_name!r}: dense_config (settings that keep every pair) is not given")
         mode = make_mode(self.mode_name, dict(self.dense_config))
         q, k, v, seq = make_inputs(shape)
-        out = mode.attend(q, k, v, seq, reference_executor(), scale=q.shape[-1] ** -0.5).out
+        scale = SCALES["0.37"](q.shape[-1])
+        out = mode.attend(q, k, v, seq, reference_executor(), scale=scale).out
         group = q.shape[1] // k.shape[1]
         sq, sk = q.shape[2], k.shape[2]
         mask = torch.ones(sq, sk, dtype=torch.bool).tril(diagonal=sk - sq)
         expected = torch.nn.functional.scaled_dot_product_attention(
-            q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask
+            q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask, scale=scale
         )
         assert torch.allclose(out, expected, atol=2e-5, rtol=1e-5)
 
@@ -226,33 +281,57 @@ class ModeConformance:
         mode = self.mode()
         for name in others:
             executor = registry.get("executor", name)()
-            for shape in (SHAPES[1], SHAPES[2]):
+            for shape, scale_name in ((SHAPES[1], "0.37"), (SHAPES[2], "1.7/sqrt(d)")):
                 q, k, v, seq = make_inputs(shape, dtype=dtype, kv_lens=None)
-                _check_executor(mode, executor, reference_executor(), q, k, v, seq, dtype)
+                scale = SCALES[scale_name](q.shape[-1])
+                _check_executor(mode, executor, reference_executor(), q, k, v, seq, dtype, scale=scale)
 
 
-def _check_executor(mode, executor, reference, q, k, v, seq, dtype) -> None:
-    scale = q.shape[-1] ** -0.5
+def _check_executor(mode, executor, reference, q, k, v, seq, dtype, *, scale: float | None = None) -> None:
+    """``executor`` against ``reference`` on ``mode``'s layout: outputs (side branch merged), the
+    executor's own log-sum-exp, the merged one when the mode has a side branch, and q/k/v
+    gradients (through the log-sum-exp too when there is a side branch)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     with torch.no_grad():
         layout = mode.build_layout(q, k, seq)
-    outs, grads = [], []
+    outs, grads, lses, merged = [], [], [], []
     g = torch.Generator().manual_seed(3)
     dout = torch.randn(q.shape, generator=g).to(dtype)
     for ex, (qq, kk, vv) in ((executor, (q, k, v)), (reference, (q.float(), k.float(), v.float()))):
+        with torch.no_grad():
+            lses.append(ex.attend(qq, kk, vv, layout, seq, scale=scale, need_lse=True).lse)
         qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (qq, kk, vv))
-        out = mode.attend(qq, kk, vv, seq, ex, scale=scale, layout=layout).out
-        out.backward(dout.to(out.dtype))
-        outs.append(out.float())
+        result = mode.attend(qq, kk, vv, seq, ex, scale=scale, layout=layout)
+        result.out.backward(dout.to(result.out.dtype))
+        outs.append(result.out.float())
+        merged.append(result.lse)
         grads.append([t.grad.float() for t in (qq, kk, vv)])
     tol = TOLERANCE[dtype]
     assert rel_rms(outs[0], outs[1]) < tol, f"{executor.name} output: rel RMS {rel_rms(outs[0], outs[1]):.2e} >= {tol}"
+    lse_tol = LSE_TOLERANCE[dtype]
+    checks = [("log-sum-exp", lses)]
+    if merged[0] is not None and merged[1] is not None:
+        checks.append(("merged log-sum-exp (side branch)", merged))
+    for what, (got, want) in checks:
+        assert got is not None, f"{executor.name} returned no log-sum-exp with need_lse=True"
+        assert got.shape == want.shape, f"{executor.name} {what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+        inf_mismatch, err = lse_mismatch(got, want, seq)
+        assert inf_mismatch == 0, f"{executor.name} {what}: {inf_mismatch} rows differ in being -inf (or are NaN)"
+        assert err < lse_tol, f"{executor.name} {what}: max abs difference {err:.2e} >= {lse_tol}"
     for name, a, b in zip("qkv", grads[0], grads[1]):
         err = rel_rms(a, b)
         assert err < 3 * tol, f"{executor.name} d{name}: rel RMS {err:.2e} >= {3 * tol}"
 
 
-def _masked_attention(q, k, v, mask) -> torch.Tensor:
-    scores = torch.matmul(q.double(), k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+def _masked_attention_lse(q, k, v, mask, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention over the pairs ``mask`` allows, in float64: (out in q's dtype, lse float64);
+    rows that see nothing give 0 and -inf. ``k``/``v`` have q's heads (GQA already expanded)."""
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.matmul(q.double(), k.double().transpose(-1, -2)) * scale
     scores = scores.masked_fill(~mask, -math.inf)
     probs = torch.softmax(scores, -1).nan_to_num(0.0)
-    return torch.matmul(probs, v.double()).to(q.dtype)
+    return torch.matmul(probs, v.double()).to(q.dtype), torch.logsumexp(scores, -1)
+
+
+def _masked_attention(q, k, v, mask, scale: float | None = None) -> torch.Tensor:
+    return _masked_attention_lse(q, k, v, mask, scale)[0]

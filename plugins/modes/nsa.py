@@ -23,19 +23,33 @@ The backbone is frozen, so nothing here is learned. Precisely:
   shares with ``[n*bs, (n+1)*bs)`` — Eq. 9's double sum over stride-sized sub-chunks, aligned as
   in XunhaoLai's ``transform_score``: a window inside one block gives it ``kernel/stride``
   times its probability, a window straddling two blocks splits that by overlap.
-* **Group-consistent, tile-granular selection.** Importances are summed over the query heads of
-  a GQA group (NSA Eq. 10; any group size, including 1) and over the real query rows of a layout
-  tile (query block): one selection per (sample, KV head, query block), which is what block
-  kernels run. A tile's selection therefore uses the rows of its own block, so outputs are
-  block-causal, not token-causal (no row sees anything after the end of its block). Only the
-  rows present in the call count: a decode step (one row) selects for that row alone, and a
-  chunked prefill whose first position is not block-aligned scores its first tile with the
-  rows it has (NSA itself selects per query token; a token-granular variant would need an
-  ``O(S^2 / bs)`` token-mask table).
-* **Top-n.** Of the causal key blocks ``j <= T`` of tile ``T``, the ``init_blocks`` first and the
-  ``local_blocks`` last (``T - local_blocks < j <= T``) are always kept and count towards
-  ``top_n``; the remaining budget goes to the other causal blocks in descending importance, ties
-  to the lower block index. Selected blocks are whole blocks (causal inside the diagonal).
+* **Group-consistent selection.** Importances are summed over the query heads of a GQA group
+  (NSA Eq. 10; any group size, including 1): every query head of a group attends to the same
+  blocks. What else is summed depends on ``query_granularity``:
+
+  - ``block`` (default): also over the real query rows of a layout tile (query block): one
+    selection per (sample, KV head, query block), which is what block kernels run. A tile's
+    selection uses the rows of its own block, so outputs are block-causal, not token-causal
+    (no row sees anything after the end of its block), and a decode step (one row, which
+    selects for itself alone) may choose other blocks than the prefill tile its position
+    belongs to. Only the rows present in the call count: a chunked prefill whose first
+    position is not block-aligned scores its first tile with the rows it has.
+  - ``token`` (upstream NSA: the paper's per-token selection, fla's ``naive_nsa_topk`` /
+    ``parallel_nsa``): one selection per (sample, KV head, query token), from that token's own
+    importances alone. Outputs are token-causal, and prefill, chunked prefill and
+    token-by-token decode select the same blocks for the same position. The selections are
+    kept as a ``(B, Hkv, Sq, NKB)`` bool table that the layout's token mask indexes; a layout
+    tile computes the union of its real rows' selections and is *partial* where they disagree.
+
+* **Top-n.** For query block ``T`` (``block``), or the query at position ``p`` with
+  ``T = p // block_size`` (``token``): of the causal key blocks ``j <= T``, the ``init_blocks``
+  first and the ``local_blocks`` last (``T - local_blocks < j <= T``) are always kept and count
+  towards ``top_n``; the remaining budget goes to the other causal blocks in descending
+  importance, ties to the lower block index. Selected blocks are whole blocks (causal inside the
+  diagonal). With ``compress_kernel == compress_stride == block_size``, ``init_blocks`` 1 and
+  ``local_blocks`` 2, ``token`` selects what fla's ``naive_nsa_topk`` selects (its forced first,
+  current and previous blocks; its mean over the group ranks as the sum does), ties apart (fla
+  leaves them to ``torch.topk``).
 * **Sliding window**, token-exact, OR'ed in: key ``j`` is visible to position ``p`` iff
   ``p - window < j <= p`` (``window = 0`` disables it).
 * **Compression branch** (``compression_branch: true``): each query also attends to its valid
@@ -44,13 +58,25 @@ The backbone is frozen, so nothing here is learned. Precisely:
   gates; without training, the LSE merge is the parameter-free choice (gates would be router-side
   trainable parameters).
 
-Memory: scoring runs over ``score_chunk`` query rows at a time (``chunk x S/stride`` scores per
-head); the layout is ``O((S/bs)^2)`` per KV head; nothing is ``S x S``.
+Cost, by ``query_granularity``. Scoring is the same for both: ``score_chunk`` query rows at a time
+(``chunk x S/stride`` scores per head), nothing ``S x S``. ``block`` keeps one selection per tile:
+an ``O((S/bs)^2)`` layout per KV head, token-masked only at the window's edges, so block kernels
+run whole tiles. ``token`` ranks the key blocks once per query row instead of once per tile
+(``bs`` times the sorting) and keeps an ``O(S^2 / bs)`` bool table per KV head and sample (16M
+entries at ``S = 32K``, ``bs = 64``). Rows of a tile seldom agree on the blocks they choose
+beyond the forced and window ones, so those tiles are partial (a block kernel evaluates the token
+mask in them: FlexAttention's ``mask_mod``, no full tile), and a tile computes the union of its
+rows' selections, more blocks than any one row attends to (random inputs, 4K tokens, ``top_n``
+16: half of the computed tiles partial against 3% for ``block``, 37% more tiles for the same
+pairs; one H200 at 32K with the defaults: the ``flex`` forward 2.1x slower). That is why
+``block`` is the default: it is what block-sparse kernels run at full speed. ``token`` is for
+upstream-exact, token-causal semantics and decode consistent with prefill.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Literal
 
 import torch
@@ -69,7 +95,7 @@ class NSAConfig(ModeConfig):
     top_n: int = Field(
         128,
         ge=1,
-        description="Selected blocks per query block, initial and local blocks included; paper Table 6: 128 "
+        description="Selected blocks per query block (or token), initial and local blocks included; paper Table 6: 128 "
         "(native NSA: 16).",
     )
     window: int = Field(
@@ -81,14 +107,27 @@ class NSAConfig(ModeConfig):
         32, ge=1, description="Tokens mean-pooled into one compressed key; paper: 32."
     )
     compress_stride: int = Field(16, ge=1, description="Stride between compression windows; paper: 16.")
-    init_blocks: int = Field(1, ge=0, description="Leading key blocks every query block keeps (NSA: 1).")
+    init_blocks: int = Field(
+        1, ge=0, description="Leading key blocks every query block (or token) keeps (NSA: 1)."
+    )
     local_blocks: int = Field(
-        2, ge=1, description="Most recent key blocks every query block keeps, the diagonal included (NSA: 2)."
+        2,
+        ge=1,
+        description="Most recent key blocks every query block (or token) keeps, the diagonal included "
+        "(NSA: 2).",
     )
     compression_branch: bool = Field(
         False,
         description="Also attend to the valid mean-pooled compressed keys/values, merged by log-sum-exp "
         "(NSA's compression branch without its learned gate).",
+    )
+    query_granularity: Literal["token", "block"] = Field(
+        "block",
+        description="`block` (default): one selection per query block, scored by the sum of its rows' "
+        "importances: what block kernels run at full speed, but block-causal, and a decode step may select "
+        "other blocks than prefill. `token`: one selection per query token, as upstream NSA: token-causal, "
+        "prefill and decode agree, but the tiles of the chosen blocks are token-masked (about 2x slower "
+        "with flex at 32K) and an S^2/block_size table is kept.",
     )
     score_chunk: int = Field(
         512,
@@ -147,6 +186,59 @@ def chunk_windows(
     return [(slice(s, min(seq.q_len, s + chunk)), int(n)) for s, n in zip(starts, needed.tolist())]
 
 
+def top_n_blocks(importance: torch.Tensor, current: torch.Tensor, cfg: NSAConfig) -> torch.Tensor:
+    """(..., X, NKB) bool: for each of ``X`` query blocks or query tokens whose position block is
+    ``current`` (broadcastable to (..., X, 1)), the causal blocks ``j <= current``: the
+    ``init_blocks`` first and the ``local_blocks`` last, then the most important other causal blocks
+    up to ``top_n`` in all (ties: the lower block; a stable descending sort keeps index order)."""
+    k_blocks = torch.arange(importance.shape[-1], device=importance.device)
+    causal = k_blocks <= current
+    forced = causal & ((k_blocks < cfg.init_blocks) | (k_blocks > current - cfg.local_blocks))
+    candidate = causal & ~forced
+    budget = cfg.top_n - forced.sum(-1, keepdim=True)  # >= 0 by the config check
+    score = importance.masked_fill(~candidate, -math.inf)
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices
+    ranks = torch.empty_like(order)
+    ar = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    ranks.scatter_(-1, order, ar)
+    return forced | (candidate & (ranks < budget))
+
+
+def window_blocks(seq: SeqInfo, bs: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, NQB, NKB) bool each: causal key blocks the sliding window reaches from some position of
+    the tile (its first position sees the block's last key), and blocks wholly inside the window
+    of every position of the tile (its last position sees the block's first key)."""
+    q_blocks, k_blocks = block_grid(seq, bs)
+    reach = ((k_blocks * bs + bs - 1) > q_blocks * bs - window) & (k_blocks <= q_blocks)
+    inside = (k_blocks * bs) > (q_blocks * bs + bs - 1 - window)
+    return reach, inside
+
+
+def tile_union(
+    selected: torch.Tensor, seq: SeqInfo, bs: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row selections (B, H, Sq, NKB) -> per layout tile (B, H, NQB, NKB): the blocks any real row
+    selects, the blocks every real row selects, and (B, NQB) whether the tile has a real row."""
+    batch, heads, sq, nkb = selected.shape
+    nqb = seq.num_query_blocks(bs)
+    real = seq.query_valid()  # (B, Sq)
+    union = torch.zeros(batch, heads, nqb, nkb, dtype=torch.bool, device=selected.device)
+    common = torch.zeros_like(union)
+    occupied = torch.zeros(batch, nqb, dtype=torch.bool, device=selected.device)
+    for b, off in enumerate((seq.q_start % bs).tolist()):
+        rows = real[b, None, :, None]
+        any_rows = torch.zeros(heads, nqb * bs, nkb, dtype=torch.bool, device=selected.device)
+        any_rows[:, off : off + sq] = selected[b] & rows
+        all_rows = torch.ones_like(any_rows)
+        all_rows[:, off : off + sq] = selected[b] | ~rows
+        has_row = torch.zeros(nqb * bs, dtype=torch.bool, device=selected.device)
+        has_row[off : off + sq] = real[b]
+        occupied[b] = has_row.view(nqb, bs).any(1)
+        union[b] = any_rows.view(heads, nqb, bs, nkb).any(2)
+        common[b] = all_rows.view(heads, nqb, bs, nkb).all(2) & occupied[b, None, :, None]
+    return union, common, occupied
+
+
 class NSAAttention(AttentionMode):
     """Training-free NSA: group-consistent top-n block selection + sliding window (+ compressed keys)."""
 
@@ -154,30 +246,30 @@ class NSAAttention(AttentionMode):
     config_class = NSAConfig
     config: NSAConfig
 
-    # -- selection ------------------------------------------------------------------------
-    def block_importance(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
-        """(B, Hkv, NQB, NKB) float32: compressed-attention importance of every key block for every
-        layout tile, summed over the group's query heads and the tile's real rows."""
+    # -- importance -------------------------------------------------------------------------
+    def row_importance(
+        self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo
+    ) -> Iterator[tuple[slice, torch.Tensor]]:
+        """Per chunk of query rows: ``(rows, (B, Hkv, R, NKB) float32)``, the compressed-attention
+        importance of every key block for every row, summed over the group's query heads (zeros for
+        padding rows and rows without a valid compressed key)."""
         cfg = self.config
         bs, kernel, stride = cfg.block_size, cfg.compress_kernel, cfg.compress_stride
-        batch, hq, sq, dim = q.shape
+        batch, hq, _, dim = q.shape
         hkv = k.shape[1]
         group = hq // hkv
-        nqb, nkb = seq.num_query_blocks(bs), seq.num_key_blocks(bs)
+        nkb = seq.num_key_blocks(bs)
         ck = compress_mean(k, kernel, stride)  # (B, Hkv, M, D)
         num_windows = ck.shape[2]
         per_kernel = kernel // stride
         chunks = nkb * (bs // stride)  # stride-sized sub-chunks of the key blocks
-        importance = torch.zeros(batch, hkv, nqb, nkb, dtype=torch.float32, device=q.device)
-        if num_windows == 0 or sq == 0:
-            return importance
         scale = dim**-0.5
-        tiles = torch.div(seq.query_positions(), bs, rounding_mode="floor") - seq.q_block_start(bs)[:, None]
         real = seq.query_valid()
         for rows, seen in chunk_windows(seq, cfg.score_chunk, num_windows, kernel, stride):
-            if seen == 0:
-                continue
             nrows = rows.stop - rows.start
+            if seen == 0:
+                yield rows, torch.zeros(batch, hkv, nrows, nkb, dtype=torch.float32, device=q.device)
+                continue
             qc = q[:, :, rows].float().reshape(batch, hkv, group, nrows, dim)
             scores = torch.einsum("bhgrd,bhmd->bhgrm", qc, ck[:, :, :seen]) * scale
             valid = window_valid(seq, rows, seen, kernel, stride)[:, None, None]  # (B,1,1,R,M')
@@ -187,41 +279,57 @@ class NSAAttention(AttentionMode):
             probs = torch.where(usable, probs, torch.zeros_like(probs)).sum(2)  # (B, Hkv, R, M')
             # window m covers sub-chunks m .. m + kernel/stride - 1: weight overlap / stride per block
             padded = torch.nn.functional.pad(probs, (per_kernel - 1, chunks - seen))
-            cover = sum(
-                padded[..., per_kernel - 1 - a : per_kernel - 1 - a + chunks] for a in range(per_kernel)
-            )
-            per_block = cover.reshape(batch, hkv, nrows, nkb, bs // stride).sum(-1)  # (B, Hkv, R, NKB)
+            cover = padded[..., per_kernel - 1 : per_kernel - 1 + chunks]
+            for a in range(1, per_kernel):
+                cover = cover + padded[..., per_kernel - 1 - a : per_kernel - 1 - a + chunks]
+            yield rows, cover.reshape(batch, hkv, nrows, nkb, bs // stride).sum(-1)  # (B, Hkv, R, NKB)
+
+    def block_importance(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
+        """(B, Hkv, NQB, NKB) float32: compressed-attention importance of every key block for every
+        layout tile, summed over the group's query heads and the tile's real rows."""
+        bs = self.config.block_size
+        batch, hkv = q.shape[0], k.shape[1]
+        nqb, nkb = seq.num_query_blocks(bs), seq.num_key_blocks(bs)
+        importance = torch.zeros(batch, hkv, nqb, nkb, dtype=torch.float32, device=q.device)
+        tiles = torch.div(seq.query_positions(), bs, rounding_mode="floor") - seq.q_block_start(bs)[:, None]
+        for rows, per_block in self.row_importance(q, k, seq):
+            nrows = rows.stop - rows.start
             idx = tiles[:, None, rows, None].clamp(0, max(nqb - 1, 0)).expand(batch, hkv, nrows, nkb)
             importance.scatter_add_(2, idx, per_block)
         return importance
 
+    # -- selection ------------------------------------------------------------------------
     def select_blocks(self, importance: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
-        """(B, Hkv, NQB, NKB) bool: initial + local blocks, then the most important causal blocks up to top_n."""
-        cfg = self.config
-        q_blocks, k_blocks = block_grid(seq, cfg.block_size)  # (B,NQB,1), (1,1,NKB)
-        causal = (k_blocks <= q_blocks)[:, None]
-        forced = causal & ((k_blocks < cfg.init_blocks) | (k_blocks > q_blocks - cfg.local_blocks))[:, None]
-        candidate = causal & ~forced
-        budget = cfg.top_n - forced.sum(-1, keepdim=True)  # >= 0 by the config check
-        score = importance.masked_fill(~candidate, -math.inf)
-        order = torch.sort(score, dim=-1, descending=True, stable=True).indices  # ties: lower block first
-        ranks = torch.empty_like(order)
-        ar = torch.arange(order.shape[-1], device=order.device).expand_as(order)
-        ranks.scatter_(-1, order, ar)
-        return forced | (candidate & (ranks < budget))
+        """(B, Hkv, NQB, NKB) bool: per tile, initial + local blocks, then the most important causal
+        blocks up to top_n."""
+        q_blocks, _ = block_grid(seq, self.config.block_size)  # (B, NQB, 1)
+        return top_n_blocks(importance, q_blocks[:, None], self.config)
 
+    def token_selection(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
+        """(B, Hkv, Sq, NKB) bool: per query token, initial + local blocks of its own position block,
+        then the blocks most important to that token alone, up to top_n (granularity ``token``)."""
+        bs = self.config.block_size
+        batch, hkv, sq = q.shape[0], k.shape[1], q.shape[2]
+        selected = torch.zeros(batch, hkv, sq, seq.num_key_blocks(bs), dtype=torch.bool, device=q.device)
+        current = torch.div(seq.query_positions(), bs, rounding_mode="floor")  # (B, Sq)
+        for rows, per_row in self.row_importance(q, k, seq):
+            selected[:, :, rows] = top_n_blocks(per_row, current[:, None, rows, None], self.config)
+        return selected
+
+    # -- layouts --------------------------------------------------------------------------
     def build_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> BlockLayout:
         seq.check(q, k)
+        if self.config.query_granularity == "token":
+            return self._token_layout(q, k, seq)
+        return self._block_layout(q, k, seq)
+
+    def _block_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> BlockLayout:
         cfg = self.config
         bs, window = cfg.block_size, cfg.window
         selected = self.select_blocks(self.block_importance(q, k, seq), seq)  # (B, Hkv, NQB, NKB)
         if window == 0:
             return BlockLayout(selected, bs)
-        q_blocks, k_blocks = block_grid(seq, bs)
-        causal = k_blocks <= q_blocks
-        # the tile's first position sees the block's last key / its last position sees the first key
-        reach = ((k_blocks * bs + bs - 1) > q_blocks * bs - window) & causal
-        inside = (k_blocks * bs) > (q_blocks * bs + bs - 1 - window)
+        reach, inside = window_blocks(seq, bs, window)
         blocks = selected | reach[:, None]
         partial = blocks & ~selected & ~inside[:, None]
         q_block_start = seq.q_block_start(bs)
@@ -231,6 +339,30 @@ class NSAAttention(AttentionMode):
             t = (torch.div(q_pos, bs, rounding_mode="floor") - q_block_start[b]).clamp(0, nqb - 1)
             j = torch.div(kv_pos, bs, rounding_mode="floor").clamp(0, nkb - 1)
             return (kv_pos > q_pos - window) | selected[b, h.clamp(0, heads - 1), t, j]
+
+        return BlockLayout(blocks, bs, token_mask, partial)
+
+    def _token_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> BlockLayout:
+        cfg = self.config
+        bs, window = cfg.block_size, cfg.window
+        selected = self.token_selection(q, k, seq)  # (B, Hkv, Sq, NKB), causal per row
+        union, common, occupied = tile_union(selected, seq, bs)  # (B, Hkv, NQB, NKB) x 2, (B, NQB)
+        if window > 0:
+            reach, inside = window_blocks(seq, bs, window)
+            blocks = union | (reach & occupied[:, :, None])[:, None]
+            partial = blocks & ~common & ~inside[:, None]
+        else:
+            blocks, partial = union, union & ~common
+        _, heads, sq, nkb = selected.shape
+        if sq == 0:
+            return BlockLayout(blocks, bs)
+        q_start = seq.q_start
+
+        def token_mask(b, h, q_pos, kv_pos):  # type: ignore[no-untyped-def]
+            row = (q_pos - q_start[b]).clamp(0, sq - 1)
+            j = torch.div(kv_pos, bs, rounding_mode="floor").clamp(0, nkb - 1)
+            chosen = selected[b, h.clamp(0, heads - 1), row, j]
+            return (kv_pos > q_pos - window) | chosen if window > 0 else chosen
 
         return BlockLayout(blocks, bs, token_mask, partial)
 
