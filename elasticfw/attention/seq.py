@@ -17,11 +17,15 @@ Canonical coordinates (what modes, layouts and executors see):
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 
 import torch
 
 from elasticfw.errors import UnsupportedInputError
+
+#: set while :meth:`SeqInfo.trusted` constructs: skip the value check (a device-to-host read)
+_TRUSTED: ContextVar[bool] = ContextVar("elasticfw_seqinfo_trusted", default=False)
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,9 @@ class SeqInfo:
     kv_len: torch.Tensor  # (B,) int64
     q_len: int
     kv_capacity: int
+    #: derived integers already read from the device (per block size), so that the many callers of
+    #: :meth:`num_query_blocks` in one attention call cost one host read, not one each
+    _memo: dict[tuple[str, int], int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("q_start", "kv_len"):
@@ -51,8 +58,8 @@ class SeqInfo:
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
                 raise UnsupportedInputError(f"SeqInfo: {name} must be a non-negative int, got {value!r}")
-        if self.q_start.device.type == "meta":
-            return  # no values to check
+        if self.q_start.device.type == "meta" or _TRUSTED.get():
+            return  # no values to check, or valid by construction (see `trusted`)
         # one host read for all value checks (canonical coordinates, see the module docstring)
         q_end = self.q_start + self.q_len
         bad = (self.q_start < 0) | (self.kv_len < 0) | (self.kv_len > self.kv_capacity) | (q_end > self.kv_capacity)
@@ -66,13 +73,27 @@ class SeqInfo:
 
     # -- constructors ----------------------------------------------------------------------
     @classmethod
+    def trusted(cls, q_start: torch.Tensor, kv_len: torch.Tensor, q_len: int, kv_capacity: int) -> SeqInfo:
+        """Construct without the value check, which reads the device (a synchronisation per call
+        that costs decode steps on a GPU): for callers whose values are valid by construction,
+        computed from integers they checked on the host. Types, shapes and devices are still checked."""
+        token = _TRUSTED.set(True)
+        try:
+            return cls(q_start, kv_len, q_len, kv_capacity)
+        finally:
+            _TRUSTED.reset(token)
+
+    @classmethod
     def dense(cls, batch: int, q_len: int, kv_len: int, device: torch.device | str = "cpu") -> SeqInfo:
         """No padding; queries are the last ``q_len`` positions of ``kv_len`` keys."""
         if q_len > kv_len:
             raise UnsupportedInputError(f"q_len ({q_len}) cannot exceed kv_len ({kv_len})")
+        if min(batch, q_len, kv_len) < 0:
+            raise UnsupportedInputError(f"SeqInfo.dense: batch ({batch}), q_len ({q_len}) and kv_len ({kv_len}) "
+                                        "must be non-negative")
         q_start = torch.full((batch,), kv_len - q_len, dtype=torch.long, device=device)
         lens = torch.full((batch,), kv_len, dtype=torch.long, device=device)
-        return cls(q_start, lens, q_len, kv_len)
+        return cls.trusted(q_start, lens, q_len, kv_len)
 
     @classmethod
     def from_lengths(
@@ -114,8 +135,13 @@ class SeqInfo:
 
     def num_query_blocks(self, block_size: int) -> int:
         """Rows of a block layout: enough position blocks to cover every sample's queries."""
-        first = self.q_start % block_size
-        return int(((first + self.q_len + block_size - 1) // block_size).max().item()) if self.batch else 0
+        key = ("query_blocks", block_size)
+        if key not in self._memo:
+            first = self.q_start % block_size
+            self._memo[key] = (
+                int(((first + self.q_len + block_size - 1) // block_size).max().item()) if self.batch else 0
+            )
+        return self._memo[key]
 
     def num_key_blocks(self, block_size: int) -> int:
         return (self.kv_capacity + block_size - 1) // block_size

@@ -48,7 +48,8 @@ def canonicalize(
         )
     device = q.device
     if info is None or info.key_mask is None:
-        seq = SeqInfo.dense(batch, sq, sk, device) if query_index == sk - sq else SeqInfo(
+        # valid by construction from the host integers checked above: no device read per layer
+        seq = SeqInfo.dense(batch, sq, sk, device) if query_index == sk - sq else SeqInfo.trusted(
             torch.full((batch,), query_index, dtype=torch.long, device=device),
             torch.full((batch,), sk, dtype=torch.long, device=device),
             sq,
@@ -75,7 +76,8 @@ def canonicalize(
     q_start = torch.tensor(
         [max(query_index + r - s, 0) for r, s in zip(q_shift, starts)], dtype=torch.long, device=device
     )
-    seq = SeqInfo(q_start, counts.to(torch.long), sq, sk)
+    # counts lie in [0, sk] and q_start was computed on the host from the checked mask
+    seq = SeqInfo.trusted(q_start, counts.to(torch.long), sq, sk)
 
     def restore(out: torch.Tensor) -> torch.Tensor:
         return _roll_rows(out, [-s for s in q_shift]) if any(q_shift) else out
