@@ -21,6 +21,17 @@ def _version(module: str) -> str | None:
     return str(getattr(mod, "__version__", "unknown"))
 
 
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes, read in 4 MiB pieces (model files, adapters)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def git_commit() -> dict[str, Any]:
     """``$ELASTICFW_COMMIT`` when set (copies of the repository whose ``.git`` is missing or stale, e.g.
     on a lent GPU machine), else HEAD of the checkout this module lives in (and whether the tree

@@ -24,7 +24,8 @@ from omegaconf import OmegaConf
 
 from elasticfw.errors import RecipeError
 from elasticfw.recipe import load_recipe, recipe_defaults, validate_recipe_data
-from elasticfw.recipe.loader import (
+from elasticfw.recipe.loader import load_recipe_dict, merge_sections, parse_override
+from elasticfw.recipe.yaml_files import (
     MAX_BASE_CHAIN,
     MAX_BASE_FILES,
     MAX_DEPTH,
@@ -32,9 +33,6 @@ from elasticfw.recipe.loader import (
     MAX_OVERRIDE_CHARS,
     MAX_RECIPE_BYTES,
     MAX_VALUES,
-    load_recipe_dict,
-    merge_sections,
-    parse_override,
 )
 from elasticfw.registry import get_registry
 

@@ -7,13 +7,13 @@ the tasks, lengths and seeds, or an explicit list of cells. A recipe with ``comp
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from elasticfw.errors import RecipeError
 from elasticfw.model.checkpoint import WEIGHTS, read_adapter_config
+from elasticfw.provenance import file_sha256
 from elasticfw.recipe.schema import sweep_task_entries
 
 
@@ -59,21 +59,13 @@ class Plan:
     output_dir: str
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def variant_spec(elastic: Any, adapter: str | None) -> dict[str, Any]:
     """The elastic section a variant runs (an adapter's stored one) and its adapter's identity."""
     if adapter is None:
         return {"elastic": elastic.model_dump(mode="json"), "adapter": None}
     folder = Path(adapter).expanduser()
     return {"elastic": read_adapter_config(folder)["elastic"], "adapter": adapter,
-            "adapter_sha256": _sha256(folder / WEIGHTS)}
+            "adapter_sha256": file_sha256(folder / WEIGHTS)}
 
 
 def make_plan(recipe: Any, variants: list[tuple[str, Any, str | None]] | None = None) -> Plan:

