@@ -170,10 +170,28 @@ def _hybrid(sparse: BlockLayout, seq: SeqInfo, hq: int, hkv: int, msr: float) ->
     return select_heads(use_full, full, sparse)
 
 
+def _executor(name: str, **config: Any) -> Any:
+    """A registered executor with ``config``: the bench reaches executors through the registry, as
+    third-party code does (the core never imports the built-in plugins)."""
+    registry = get_registry()
+    return registry.make("executor", registry.entry("executor", name).config_class(**config))  # type: ignore[misc]
+
+
+_RAW_FLEX: list[Any] = []
+
+
+def _raw_flex() -> Any:
+    """torch's compiled ``flex_attention`` itself (the kernel alone, no elasticfw around it)."""
+    if not _RAW_FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _RAW_FLEX.append(torch.compile(flex_attention, dynamic=False, fullgraph=True))
+    return _RAW_FLEX[0]
+
+
 def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.device) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor, _call_flex, _compiled_flex
 
     dtype = DTYPES[args.dtype]
     B, hq, hkv, D = args.batch, args.q_heads, args.kv_heads, args.head_dim
@@ -250,7 +268,7 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
             rec.run({"seq": S, "name": name, "kind": kind}, sdpa_body)
 
     # -- the raw FlexAttention kernel on a prebuilt causal mask --------------------------
-    executor = FlexExecutor(FlexConfig(implementation=args.implementation))
+    executor = _executor("flex", implementation=args.implementation)
     impl = executor.implementation(device)
     for kind in ("fwd", "fwd_bwd"):
         if kind == "fwd_bwd" and (args.no_backward or impl == "eager"):
@@ -263,18 +281,18 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
                 return
             layout = causal_layout(seq, 128)
             fm = to_block_mask(layout, seq, hq, kernel_block_size=128, compute_q_blocks=kind == "fwd_bwd")
-            fn_c = _compiled_flex(False, "default")
+            fn_c = _raw_flex()
             q, k, v = leaves() if kind == "fwd_bwd" else (q0, k0, v0)
             if kind == "fwd":
 
                 def fn():
                     with torch.no_grad():
-                        _call_flex(fn_c, q, k, v, fm, scale, None)
+                        fn_c(q, k, v, block_mask=fm.block_mask, scale=scale, enable_gqa=True)
 
             else:
 
                 def fn():
-                    _call_flex(fn_c, q, k, v, fm, scale, None)[0].backward(dout)
+                    fn_c(q, k, v, block_mask=fm.block_mask, scale=scale, enable_gqa=True).backward(dout)
 
             # the same recompile policy as the executor: a raised limit, and loud failure past it
             limit = max(int(torch._dynamo.config.recompile_limit), executor.config.recompile_limit)
@@ -387,15 +405,13 @@ def correctness(N: int, args: argparse.Namespace, rec: Recorder, device: torch.d
     registered mode: outputs, lse and q/k/v gradients on a dense prefill, a chunked prefill with
     unaligned per-sample query starts, and a decode step."""
     from elasticfw.testing.modes import LSE_TOLERANCE, TOLERANCE, rel_rms
-    from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
-    from elasticfw_plugins.executors.reference import ReferenceExecutor
 
     dtype = DTYPES[args.dtype]
     hq, hkv, D = args.q_heads, args.kv_heads, args.head_dim
     tol = TOLERANCE[dtype]
     lse_tol = LSE_TOLERANCE[dtype]
-    executor = FlexExecutor(FlexConfig(implementation=args.implementation))
-    reference = ReferenceExecutor()
+    executor = _executor("flex", implementation=args.implementation)
+    reference = _executor("reference")
     cases = {
         "prefill": SeqInfo.dense(1, N, N, device=device),
         # a second, shorter sample (still with keys at the smoke test's tiny N)
@@ -456,7 +472,6 @@ def layout_memory(
     N: int, args: argparse.Namespace, rec: Recorder, device: torch.device
 ) -> list[dict[str, Any]]:
     """Peak memory of building each mode's layout (and its BlockMask) at ``N`` tokens."""
-    from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
 
     dtype = DTYPES[args.dtype]
     B, hq, hkv, D = args.batch, args.q_heads, args.kv_heads, args.head_dim
@@ -464,7 +479,7 @@ def layout_memory(
     q = torch.randn(B, hq, N, D, generator=g).to(device, dtype)
     k = torch.randn(B, hkv, N, D, generator=g).to(device, dtype)
     seq = SeqInfo.dense(B, N, N, device=device)
-    executor = FlexExecutor(FlexConfig(implementation=args.implementation))
+    executor = _executor("flex", implementation=args.implementation)
     impl = executor.implementation(device)
     rows = []
     quadratic = N * N  # bytes of one dense bool mask
