@@ -259,7 +259,8 @@ def _build_models(registry_id: int, revision: int) -> type[BaseModel]:  # revisi
             sweep | None,
             Field(None, description="What `elasticfw compare` sweeps: tasks, lengths, seeds, timing, run folder."),
         ),
-        output_dir=(str | None, Field(None, description="Where results are written (JSON).")),
+        output_dir=(str | None, Field(None, description="Folder of the run folders of `elasticfw eval` "
+                                      "(<output_dir>/eval) and of a compare without sweep: (default: runs).")),
         __validators__={
             "_variants": model_validator(mode="before")(merge_variants),  # type: ignore[dict-item]
             "_sweep": model_validator(mode="after")(check_sweep),  # type: ignore[dict-item]
