@@ -96,11 +96,23 @@ def expand_heads(layout: BlockLayout, num_heads: int) -> BlockLayout:
 
     A layout made per KV head is repeated for the query heads of its group (query head ``h``
     belongs to KV head ``h // (num_heads // H)``), as transformers' ``repeat_kv`` does. Returns
-    the layout unchanged when it already has ``num_heads`` heads or broadcasts (1 head).
+    the layout unchanged when it already has ``num_heads`` heads, and a 1-head layout still
+    broadcasting, its token mask (if any) called with head 0 for every head: a 1-head layout means
+    one pattern for all heads, whether it was built shared or per KV head with a single KV head,
+    so its token mask never sees a query-head index it was not built for.
     """
     heads = layout.num_heads
-    if heads in (1, num_heads):
+    if heads == num_heads:
         return layout
+    if heads == 1:
+        if layout.token_mask is None:
+            return layout
+        inner_one = layout.token_mask
+
+        def shared_mask(b, h, q, k, _inner=inner_one):  # type: ignore[no-untyped-def]
+            return _inner(b, torch.zeros_like(h), q, k)
+
+        return replace(layout, token_mask=shared_mask)
     if num_heads % heads != 0:
         raise UnsupportedInputError(
             f"cannot expand a layout of {heads} heads to {num_heads} query heads: not a multiple"
