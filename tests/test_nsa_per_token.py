@@ -68,9 +68,11 @@ def _kv_lens(shape):
 # ---------------------------------------------------------------------------------------
 
 
-def reference_selection(q, k, seq, config):
-    """(B, Hkv, Sq, NKB) bool: the key blocks each real query token selects (padding rows: none)."""
+def reference_selection(q, k, seq, config, scale=None):
+    """(B, Hkv, Sq, NKB) bool: the key blocks each real query token selects (padding rows: none);
+    importance scores use ``scale`` (default 1/sqrt(head_dim))."""
     batch, hq, sq, dim = q.shape
+    scale = scale if scale is not None else 1 / math.sqrt(dim)
     hkv = k.shape[1]
     group = hq // hkv
     bs, kernel, stride = config.block_size, config.compress_kernel, config.compress_stride
@@ -94,7 +96,7 @@ def reference_selection(q, k, seq, config):
                 if seen:
                     keys = torch.stack([pooled[i] for i in seen])
                     for h in range(g * group, (g + 1) * group):
-                        probs = torch.softmax(keys @ q[b, h, r].double() / math.sqrt(dim), 0)
+                        probs = torch.softmax(keys @ q[b, h, r].double() * scale, 0)
                         for i, p in zip(seen, probs.tolist()):
                             lo, hi = starts[i], starts[i] + kernel
                             for n in range(nkb):
@@ -113,12 +115,12 @@ def reference_selection(q, k, seq, config):
     return out
 
 
-def reference_mask(q, k, seq, config):
+def reference_mask(q, k, seq, config, scale=None):
     """(B, Hq, Sq, Sk) bool: key j visible to row r at position p iff j <= p and (j's block is
     selected for r, or j > p - window); every query head of a group shares its selection."""
     batch, hq, sq, _ = q.shape
     group = hq // k.shape[1]
-    selection = reference_selection(q, k, seq, config)
+    selection = reference_selection(q, k, seq, config, scale)
     keys = torch.arange(seq.kv_capacity)
     mask = torch.zeros(batch, hq, sq, seq.kv_capacity, dtype=torch.bool)
     for b in range(batch):

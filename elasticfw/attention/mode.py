@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -71,6 +72,16 @@ class AttentionMode(ABC):
         not wrapped: modes whose layout depends only on ``seq`` (streaming, full) are called with
         placeholder tensors; :meth:`attend` checks the inputs before it builds a layout."""
         super().__init_subclass__(**kwargs)
+        build = cls.__dict__.get("build_layout")
+        if build is not None and "scale" not in inspect.signature(build).parameters:  # written before `scale`
+
+            @functools.wraps(build)
+            def build_without_scale(
+                self: AttentionMode, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, *, scale: float | None = None
+            ) -> BlockLayout:
+                return build(self, q, k, seq)
+
+            cls.build_layout = build_without_scale  # type: ignore[method-assign]
         side = cls.__dict__.get("side_branch")
         if side is not None and not getattr(side, _CHECKED, False):
 
@@ -90,10 +101,15 @@ class AttentionMode(ABC):
         return int(getattr(self.config, "block_size"))  # noqa: B009 - every mode config has it
 
     @abstractmethod
-    def build_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> BlockLayout:
+    def build_layout(
+        self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, *, scale: float | None = None
+    ) -> BlockLayout:
         """Layout for q (B, Hq, Sq, D) against start-aligned keys k (B, Hkv, Sk, D).
 
-        The result has 1, Hkv or Hq heads and ``self.block_size`` blocks.
+        The result has 1, Hkv or Hq heads and ``self.block_size`` blocks. ``scale`` is the call's
+        attention scale (``None``: ``head_dim ** -0.5``), for estimators that score with a softmax
+        (Gemma 3 scales by ``query_pre_attn_scalar ** -0.5``, not ``head_dim ** -0.5``). A mode
+        whose ``build_layout`` takes no ``scale`` keeps working: it is called without it.
         """
 
     def side_branch(
@@ -121,7 +137,7 @@ class AttentionMode(ABC):
         executor.check_inputs(q, k, v, seq, scale=scale)
         if layout is None:
             with torch.no_grad():
-                layout = self.build_layout(q, k, seq)
+                layout = self.build_layout(q, k, seq, scale=scale)
         extra = self.side_branch(q, k, v, seq, scale=scale)
         result = executor.attend(q, k, v, layout, seq, scale=scale, need_lse=extra is not None)
         return merge_lse(result, extra) if extra is not None else result

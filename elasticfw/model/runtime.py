@@ -138,12 +138,12 @@ class ElasticRuntime:
 
     # -- execution ------------------------------------------------------------------------------
     def _layouts(
-        self, modes: list[AttentionMode], can: Canonical, window: int | None
+        self, modes: list[AttentionMode], can: Canonical, window: int | None, scale: float
     ) -> list[BlockLayout]:
         out = []
         with torch.no_grad():
             for mode in modes:
-                layout = mode.build_layout(can.q, can.k, can.seq)
+                layout = mode.build_layout(can.q, can.k, can.seq, scale=scale)
                 out.append(with_window(layout, can.seq, window) if window else layout)
         return out
 
@@ -166,7 +166,7 @@ class ElasticRuntime:
         sparse_q = decision.sparse.repeat_interleave(hq // hkv, dim=1)  # (B, Hq)
         hard = sparse_q.detach() > 0.5
         if self.mixing:
-            lay_r, lay_s = self._layouts([self.retrieval_mode, self.sparse_mode], can, window)
+            lay_r, lay_s = self._layouts([self.retrieval_mode, self.sparse_mode], can, window, scale)
             out_r = self.retrieval_mode.attend(q, k, v, seq, self.executor, scale=scale, layout=lay_r).out
             out_s = self.sparse_mode.attend(q, k, v, seq, self.executor, scale=scale, layout=lay_s).out
             r = sparse_q.to(out_r.dtype)[:, :, None, None]
@@ -174,11 +174,11 @@ class ElasticRuntime:
             pairs = (lay_r, lay_s)
         elif not bool(hard.any()) or bool(hard.all()):
             mode = self.sparse_mode if bool(hard.all()) else self.retrieval_mode
-            (layout,) = self._layouts([mode], can, window)
+            (layout,) = self._layouts([mode], can, window, scale)
             out = mode.attend(q, k, v, seq, self.executor, scale=scale, layout=layout).out
             pairs = (layout, layout)
         else:
-            lay_r, lay_s = self._layouts([self.retrieval_mode, self.sparse_mode], can, window)
+            lay_r, lay_s = self._layouts([self.retrieval_mode, self.sparse_mode], can, window, scale)
             out = self._one_launch(can, hard, lay_r, lay_s, scale)
             pairs = (lay_r, lay_s)
         if record:

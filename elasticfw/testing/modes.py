@@ -66,6 +66,18 @@ SCALES: dict[str, Callable[[int], float]] = {
 }
 
 
+
+def reference_mask(token_reference: Any, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, config: Any, *,
+                   scale: float) -> torch.Tensor:
+    """``token_reference(q, k, seq, config)``, given ``scale=`` when it accepts one: a mode whose
+    selection scores with a softmax (XAttention, NSA) depends on the call's attention scale, and
+    its definition must take it to be checked at non-default scales."""
+    import inspect
+
+    if "scale" in inspect.signature(token_reference).parameters:
+        return token_reference(q, k, seq, config, scale=scale)
+    return token_reference(q, k, seq, config)
+
 def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     """sqrt(mean((a-b)^2)) / sqrt(mean(b^2)) in float64 (fla's comparison)."""
     a64, b64 = a.double(), b.double()
@@ -175,17 +187,18 @@ class ModeConformance:
         side_reference = type(self).side_reference
         if side and side_reference is None:
             pytest.skip("mode has a side branch and the test class gives no side_reference for it")
-        mask = type(self).token_reference(q, k, seq, mode.config)
         group = q.shape[1] // k.shape[1]
-        keys, values = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        if side:
-            k_extra, v_extra, visible = side_reference(q, k, v, seq, mode.config)
-            keys = torch.cat([keys, k_extra.repeat_interleave(group, 1)], 2)
-            values = torch.cat([values, v_extra.repeat_interleave(group, 1)], 2)
-            mask = torch.cat([mask, visible], -1)
         ex = reference_executor()
         for name, scale_of in SCALES.items():
             scale = scale_of(dim)
+            # the definition at this scale (a selection that scores with a softmax depends on it)
+            mask = reference_mask(type(self).token_reference, q, k, seq, mode.config, scale=scale)
+            keys, values = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            if side:
+                k_extra, v_extra, visible = side_reference(q, k, v, seq, mode.config)
+                keys = torch.cat([keys, k_extra.repeat_interleave(group, 1)], 2)
+                values = torch.cat([values, v_extra.repeat_interleave(group, 1)], 2)
+                mask = torch.cat([mask, visible], -1)
             result = mode.attend(q, k, v, seq, ex, scale=scale)
             expected, expected_lse = _masked_attention_lse(q, keys, values, mask, scale)
             rows = real_rows(seq).expand_as(result.out)

@@ -17,7 +17,7 @@ The backbone is frozen, so nothing here is learned. Precisely:
   own key may be the window's last one; the rule of fla's ``NC = (i + 1) // BS`` and XunhaoLai's
   ``q >= m*stride + kernel - 1``). Windows past a sample's ``kv_len`` are never valid.
 * **Importance.** Per query token and query head: ``softmax_m(scale * q . c_m)`` over the valid
-  compressed keys, in float32, ``scale = head_dim ** -0.5`` (``build_layout`` gets no scale); a
+  compressed keys, in float32, ``scale`` the call's attention scale (``head_dim ** -0.5`` when none is given); a
   row with no valid key contributes zeros. Window ``m`` gives each selection block ``n`` its
   probability times ``overlap(m, n) / stride`` where ``overlap`` counts the tokens the window
   shares with ``[n*bs, (n+1)*bs)`` — Eq. 9's double sum over stride-sized sub-chunks, aligned as
@@ -248,7 +248,7 @@ class NSAAttention(AttentionMode):
 
     # -- importance -------------------------------------------------------------------------
     def row_importance(
-        self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo
+        self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, scale: float | None = None
     ) -> Iterator[tuple[slice, torch.Tensor]]:
         """Per chunk of query rows: ``(rows, (B, Hkv, R, NKB) float32)``, the compressed-attention
         importance of every key block for every row, summed over the group's query heads (zeros for
@@ -263,7 +263,7 @@ class NSAAttention(AttentionMode):
         num_windows = ck.shape[2]
         per_kernel = kernel // stride
         chunks = nkb * (bs // stride)  # stride-sized sub-chunks of the key blocks
-        scale = dim**-0.5
+        scale = scale if scale is not None else dim**-0.5  # the call's attention scale
         real = seq.query_valid()
         for rows, seen in chunk_windows(seq, cfg.score_chunk, num_windows, kernel, stride):
             nrows = rows.stop - rows.start
@@ -284,7 +284,9 @@ class NSAAttention(AttentionMode):
                 cover = cover + padded[..., per_kernel - 1 - a : per_kernel - 1 - a + chunks]
             yield rows, cover.reshape(batch, hkv, nrows, nkb, bs // stride).sum(-1)  # (B, Hkv, R, NKB)
 
-    def block_importance(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
+    def block_importance(
+        self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, scale: float | None = None
+    ) -> torch.Tensor:
         """(B, Hkv, NQB, NKB) float32: compressed-attention importance of every key block for every
         layout tile, summed over the group's query heads and the tile's real rows."""
         bs = self.config.block_size
@@ -292,7 +294,7 @@ class NSAAttention(AttentionMode):
         nqb, nkb = seq.num_query_blocks(bs), seq.num_key_blocks(bs)
         importance = torch.zeros(batch, hkv, nqb, nkb, dtype=torch.float32, device=q.device)
         tiles = torch.div(seq.query_positions(), bs, rounding_mode="floor") - seq.q_block_start(bs)[:, None]
-        for rows, per_block in self.row_importance(q, k, seq):
+        for rows, per_block in self.row_importance(q, k, seq, scale):
             nrows = rows.stop - rows.start
             idx = tiles[:, None, rows, None].clamp(0, max(nqb - 1, 0)).expand(batch, hkv, nrows, nkb)
             importance.scatter_add_(2, idx, per_block)
@@ -305,28 +307,32 @@ class NSAAttention(AttentionMode):
         q_blocks, _ = block_grid(seq, self.config.block_size)  # (B, NQB, 1)
         return top_n_blocks(importance, q_blocks[:, None], self.config)
 
-    def token_selection(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
+    def token_selection(
+        self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, scale: float | None = None
+    ) -> torch.Tensor:
         """(B, Hkv, Sq, NKB) bool: per query token, initial + local blocks of its own position block,
         then the blocks most important to that token alone, up to top_n (granularity ``token``)."""
         bs = self.config.block_size
         batch, hkv, sq = q.shape[0], k.shape[1], q.shape[2]
         selected = torch.zeros(batch, hkv, sq, seq.num_key_blocks(bs), dtype=torch.bool, device=q.device)
         current = torch.div(seq.query_positions(), bs, rounding_mode="floor")  # (B, Sq)
-        for rows, per_row in self.row_importance(q, k, seq):
+        for rows, per_row in self.row_importance(q, k, seq, scale):
             selected[:, :, rows] = top_n_blocks(per_row, current[:, None, rows, None], self.config)
         return selected
 
     # -- layouts --------------------------------------------------------------------------
-    def build_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> BlockLayout:
+    def build_layout(
+        self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, *, scale: float | None = None
+    ) -> BlockLayout:
         seq.check(q, k)
         if self.config.query_granularity == "token":
-            return self._token_layout(q, k, seq)
-        return self._block_layout(q, k, seq)
+            return self._token_layout(q, k, seq, scale)
+        return self._block_layout(q, k, seq, scale)
 
-    def _block_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> BlockLayout:
+    def _block_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, scale: float | None) -> BlockLayout:
         cfg = self.config
         bs, window = cfg.block_size, cfg.window
-        selected = self.select_blocks(self.block_importance(q, k, seq), seq)  # (B, Hkv, NQB, NKB)
+        selected = self.select_blocks(self.block_importance(q, k, seq, scale), seq)  # (B, Hkv, NQB, NKB)
         if window == 0:
             return BlockLayout(selected, bs)
         reach, inside = window_blocks(seq, bs, window)
@@ -342,10 +348,10 @@ class NSAAttention(AttentionMode):
 
         return BlockLayout(blocks, bs, token_mask, partial)
 
-    def _token_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> BlockLayout:
+    def _token_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, scale: float | None) -> BlockLayout:
         cfg = self.config
         bs, window = cfg.block_size, cfg.window
-        selected = self.token_selection(q, k, seq)  # (B, Hkv, Sq, NKB), causal per row
+        selected = self.token_selection(q, k, seq, scale)  # (B, Hkv, Sq, NKB), causal per row
         union, common, occupied = tile_union(selected, seq, bs)  # (B, Hkv, NQB, NKB) x 2, (B, NQB)
         if window > 0:
             reach, inside = window_blocks(seq, bs, window)

@@ -15,7 +15,8 @@ stride ``S`` the antidiagonal score of the ``S x S`` tile (strided query row ``m
     A[m, n] = sum_{i=0}^{S-1} q[m*S + i] . k[n*S + S-1-i]
 
 computed as one matmul between queries concatenated ``S`` at a time in reverse order and keys
-concatenated ``S`` at a time. Scores are scaled by ``1 / (sqrt(d) * S)``, masked causally at
+concatenated ``S`` at a time. Scores are scaled by ``scale / S`` (the call's attention scale,
+``1 / sqrt(d)`` by default), masked causally at
 strided granularity (keep ``n <= m``), soft-maxed over ``n`` and summed into
 ``(block/S) x (block/S)`` groups: ``mass[M, N]`` is the probability that the strided rows of
 position block ``M`` put on key block ``N``. A strided row contributes only if it holds at least
@@ -155,7 +156,8 @@ def _keys_on_grid(k: torch.Tensor, seq: SeqInfo, block_size: int) -> torch.Tenso
 
 
 def iter_block_mass(
-    q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, *, block_size: int, stride: int, chunk_size: int
+    q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, *, block_size: int, stride: int, chunk_size: int,
+    scale: float | None = None,
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
     """Yield ``(t0, t1, mass)`` for layout rows ``[t0, t1)``: mass (B, Hq, t1-t0, NKB) float32.
 
@@ -171,7 +173,7 @@ def iter_block_mass(
     rows_per_chunk = max(1, chunk_size // bs)
     keys = _keys_on_grid(k, seq, bs)
     qbs = seq.q_block_start(bs)  # (B,)
-    scale = 1.0 / (math.sqrt(dim) * s)
+    scale = (scale if scale is not None else 1.0 / math.sqrt(dim)) / s  # the call's scale, over the stride
     dev = q.device
     for t0 in range(0, nqb, rows_per_chunk):
         t1 = min(nqb, t0 + rows_per_chunk)
@@ -210,12 +212,14 @@ def iter_block_mass(
 
 
 def block_mass(
-    q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, *, block_size: int, stride: int, chunk_size: int = 16384
+    q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, *, block_size: int, stride: int, chunk_size: int = 16384,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """(B, Hq, NQB, NKB) float32 estimated mass of every layout row (analysis and tests)."""
     parts = [
         m
-        for _, _, m in iter_block_mass(q, k, seq, block_size=block_size, stride=stride, chunk_size=chunk_size)
+        for _, _, m in iter_block_mass(q, k, seq, block_size=block_size, stride=stride, chunk_size=chunk_size,
+                                       scale=scale)
     ]
     if not parts:
         return q.new_zeros(q.shape[0], q.shape[1], 0, seq.num_key_blocks(block_size), dtype=torch.float32)
@@ -264,7 +268,9 @@ class XAttention(AttentionMode):
     config_class = XAttentionConfig
     config: XAttentionConfig
 
-    def build_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> BlockLayout:
+    def build_layout(
+        self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, *, scale: float | None = None
+    ) -> BlockLayout:
         cfg = self.config
         bs = cfg.block_size
         seq.check(q, k)
@@ -279,7 +285,7 @@ class XAttention(AttentionMode):
         blocks = torch.zeros(batch, heads, nqb, nkb, dtype=torch.bool, device=q.device)
         qbs = seq.q_block_start(bs)
         for t0, t1, mass in iter_block_mass(
-            q, k, seq, block_size=bs, stride=cfg.stride, chunk_size=cfg.chunk_size
+            q, k, seq, block_size=bs, stride=cfg.stride, chunk_size=cfg.chunk_size, scale=scale
         ):
             if by_group:
                 mass = mass.view(batch, hkv, group, t1 - t0, nkb).sum(2)

@@ -28,7 +28,7 @@ def _compressed_keys(k, b, g, kv_len, config):
     return out
 
 
-def _kept_blocks(q, compressed, b, g, group, tile, rows, seq, config):
+def _kept_blocks(q, compressed, b, g, group, tile, rows, seq, config, scale):
     bs, kernel, s = config.block_size, config.compress_kernel, config.compress_stride
     nkb = (seq.kv_capacity + bs - 1) // bs
     importance = [0.0] * nkb
@@ -39,7 +39,7 @@ def _kept_blocks(q, compressed, b, g, group, tile, rows, seq, config):
             continue
         keys = torch.stack([c for _, c in valid])
         for head in range(g * group, (g + 1) * group):
-            logits = keys @ q[b, head, r].double() / math.sqrt(q.shape[-1])
+            logits = keys @ q[b, head, r].double() * scale
             probs = torch.softmax(logits, 0).tolist()
             for (m, _), p in zip(valid, probs):
                 for n in range(m * s // bs, min(nkb, (m * s + kernel - 1) // bs + 1)):
@@ -52,7 +52,8 @@ def _kept_blocks(q, compressed, b, g, group, tile, rows, seq, config):
     return set(forced) | set(others[: config.top_n - len(forced)])
 
 
-def token_reference(q, k, seq, config):
+def token_reference(q, k, seq, config, scale=None):
+    scale = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
     batch, hq, sq, _ = q.shape
     hkv = k.shape[1]
     group = hq // hkv
@@ -69,7 +70,7 @@ def token_reference(q, k, seq, config):
             compressed = _compressed_keys(k, b, g, kv_len, config)
             for tile, tile_rows in tiles.items():
                 real = [r for r in tile_rows if positions[r] < kv_len]
-                kept = _kept_blocks(q, compressed, b, g, group, tile, real, seq, config)
+                kept = _kept_blocks(q, compressed, b, g, group, tile, real, seq, config, scale)
                 in_kept = torch.tensor([int(j) // bs in kept for j in key_idx])
                 for r in tile_rows:
                     visible = in_kept | (key_idx > positions[r] - config.window)

@@ -44,7 +44,7 @@ def _selected(mass: list[float], row_block: int, threshold: float) -> set[int]:
     return keep
 
 
-def token_reference(q, k, seq, config):
+def token_reference(q, k, seq, config, scale=None):
     bs, s, tau = config.block_size, config.stride, config.threshold
     batch, hq, sq, dim = q.shape
     hkv, sk = k.shape[1], k.shape[2]
@@ -77,7 +77,7 @@ def token_reference(q, k, seq, config):
                     row = torch.zeros(m + 1, dtype=torch.float64)
                     for i in range(s):
                         row += scores[m * s + i, s - 1 - i :: s][: m + 1]
-                    probs = torch.softmax(row / (math.sqrt(dim) * s), dim=0).tolist()
+                    probs = torch.softmax(row * (scale if scale is not None else 1 / math.sqrt(dim)) / s, dim=0).tolist()
                     for n in range(m + 1):
                         mass[n * s // bs] += probs[n]
                 masses[(h, big_m)] = mass
