@@ -36,7 +36,7 @@ from pydantic import ValidationError
 
 from elasticfw.attention.executor import Executor
 from elasticfw.attention.layout import BlockLayout, causal_layout, dense_mask, rescale, select_heads
-from elasticfw.attention.mode import AttentionMode, AttentionOutput, merge_lse
+from elasticfw.attention.mode import AttentionMode, AttentionOutput, attend_routed
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import UnsupportedInputError
 from elasticfw.model.bridge import KeyPaddingInfo
@@ -171,26 +171,9 @@ def routed_attention(
     case: Case, ex: Executor, retrieval: AttentionMode, sparse: AttentionMode, hard: torch.Tensor,
     layouts: tuple[BlockLayout, BlockLayout], need_lse: bool = True,
 ) -> AttentionOutput:
-    """Every head in its routed mode, in one executor call (as ElasticRuntime's single launch)."""
-    q, k, v, seq = case.q, case.k, case.v, case.seq
-    lay_r, lay_s = layouts
-    bs = min(lay_r.block_size, lay_s.block_size)
-    combined = select_heads(hard, rescale(lay_s, seq, bs), rescale(lay_r, seq, bs))
-    extras = [
-        (mode.side_branch(q, k, v, seq, scale=case.scale), heads)
-        for mode, heads in ((sparse, hard), (retrieval, ~hard))
-    ]
-    need_lse = need_lse or any(extra is not None for extra, _ in extras)
-    result = ex.attend(q, k, v, combined, seq, scale=case.scale, need_lse=need_lse)
-    for extra, heads in extras:
-        if extra is not None:
-            merged = merge_lse(result, extra)
-            assert merged.lse is not None and result.lse is not None
-            result = AttentionOutput(
-                torch.where(heads[:, :, None, None], merged.out, result.out),
-                torch.where(heads[:, :, None], merged.lse, result.lse),
-            )
-    return result
+    """Every head in its routed mode, in one executor call (ElasticRuntime's single launch)."""
+    return attend_routed(case.q, case.k, case.v, case.seq, ex, retrieval=retrieval, sparse=sparse, hard=hard,
+                         layouts=layouts, scale=case.scale, need_lse=need_lse)
 
 
 def masked_softmax(case: Case, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from mode_definitions.nsa import DEFINITION as NSA_DEFINITION
 from mode_definitions.nsa import token_reference
 from pydantic import ValidationError
 
@@ -14,15 +15,7 @@ from elasticfw.attention.seq import SeqInfo
 from elasticfw.testing.modes import SHAPES, make_inputs, make_mode, reference_executor, rel_rms
 from elasticfw_plugins.modes.nsa import NSAConfig, compress_mean
 
-SMALL = {
-    "block_size": 16,
-    "top_n": 5,
-    "window": 24,
-    "compress_kernel": 8,
-    "compress_stride": 4,
-    "init_blocks": 1,
-    "local_blocks": 2,
-}
+SMALL = NSA_DEFINITION["small_config"]  # the conformance suite's small config: one definition
 
 
 def nsa(**overrides):

@@ -24,6 +24,7 @@ import math
 
 import pytest
 import torch
+from mode_definitions.nsa import DEFINITION as NSA_DEFINITION
 from pydantic import ValidationError
 
 from elasticfw.attention.layout import computed_pairs, dense_mask
@@ -31,15 +32,7 @@ from elasticfw.attention.seq import SeqInfo
 from elasticfw.testing.modes import ModeConformance, make_inputs, make_mode, reference_executor
 from elasticfw_plugins.modes.nsa import NSAConfig
 
-SMALL = {
-    "block_size": 16,
-    "top_n": 5,
-    "window": 24,
-    "compress_kernel": 8,
-    "compress_stride": 4,
-    "init_blocks": 1,
-    "local_blocks": 2,
-}
+SMALL = NSA_DEFINITION["small_config"]  # the conformance suite's small config: one definition
 TOKEN = {**SMALL, "query_granularity": "token"}
 
 #: (batch, query heads, kv heads, q_len, kv_len, head_dim): GQA groups 3, 4 and 16 (fla's minimum),

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from elasticfw.attention.inputs import check_attention_inputs
-from elasticfw.attention.layout import BlockLayout
+from elasticfw.attention.layout import BlockLayout, rescale, select_heads
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.registry import PluginConfig
 
@@ -144,3 +144,39 @@ class AttentionMode(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config!r})"
+
+
+def attend_routed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq: SeqInfo,
+    executor: Executor,
+    *,
+    retrieval: AttentionMode,
+    sparse: AttentionMode,
+    hard: torch.Tensor,
+    layouts: tuple[BlockLayout, BlockLayout],
+    scale: float,
+    need_lse: bool = False,
+) -> AttentionOutput:
+    """Every query head in its routed mode in one executor launch: ``hard`` (B, Hq) True sends a
+    head to ``sparse``, else to ``retrieval``; ``layouts`` are their (retrieval, sparse) layouts.
+    The two layouts are combined per head (at the smaller block size) and run together; a mode's
+    side branch (NSA's compressed keys) is merged into its own heads by log-sum-exp."""
+    lay_r, lay_s = layouts
+    bs = min(lay_r.block_size, lay_s.block_size)
+    combined = select_heads(hard, rescale(lay_s, seq, bs), rescale(lay_r, seq, bs))
+    extras = [(mode.side_branch(q, k, v, seq, scale=scale), heads) for mode, heads in ((sparse, hard), (retrieval, ~hard))]
+    need_lse = need_lse or any(extra is not None for extra, _ in extras)
+    result = executor.attend(q, k, v, combined, seq, scale=scale, need_lse=need_lse)
+    for extra, heads in extras:
+        if extra is not None:
+            merged = merge_lse(result, extra)
+            # merge_lse raised unless result.lse was set, and it always returns an lse
+            assert merged.lse is not None and result.lse is not None
+            result = AttentionOutput(
+                torch.where(heads[:, :, None, None], merged.out, result.out),
+                torch.where(heads[:, :, None], merged.lse, result.lse),
+            )
+    return result

@@ -20,11 +20,9 @@ from elasticfw.attention.layout import (
     BlockLayout,
     causal_layout,
     computed_pairs,
-    rescale,
-    select_heads,
     with_window,
 )
-from elasticfw.attention.mode import AttentionMode, AttentionOutput, merge_lse
+from elasticfw.attention.mode import AttentionMode, attend_routed
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import ElasticError
 from elasticfw.model.bridge import KeyPaddingInfo
@@ -193,25 +191,10 @@ class ElasticRuntime:
     def _one_launch(
         self, can: Canonical, hard: torch.Tensor, lay_r: BlockLayout, lay_s: BlockLayout, scale: float
     ) -> torch.Tensor:
-        seq = can.seq
-        bs = min(lay_r.block_size, lay_s.block_size)
-        combined = select_heads(hard, rescale(lay_s, seq, bs), rescale(lay_r, seq, bs))
-        extras = [
-            (mode.side_branch(can.q, can.k, can.v, seq, scale=scale), heads)
-            for mode, heads in ((self.sparse_mode, hard), (self.retrieval_mode, ~hard))
-        ]
-        need_lse = any(extra is not None for extra, _ in extras)
-        result = self.executor.attend(can.q, can.k, can.v, combined, seq, scale=scale, need_lse=need_lse)
-        for extra, heads in extras:
-            if extra is not None:
-                merged = merge_lse(result, extra)
-                # merge_lse raised unless result.lse was set, and it always returns an lse
-                assert merged.lse is not None and result.lse is not None
-                result = AttentionOutput(
-                    torch.where(heads[:, :, None, None], merged.out, result.out),
-                    torch.where(heads[:, :, None], merged.lse, result.lse),
-                )
-        return result.out
+        return attend_routed(
+            can.q, can.k, can.v, can.seq, self.executor, retrieval=self.retrieval_mode, sparse=self.sparse_mode,
+            hard=hard, layouts=(lay_r, lay_s), scale=scale,
+        ).out
 
     @staticmethod
     def _pairs(layouts: tuple[BlockLayout, BlockLayout], hard: torch.Tensor, seq, hq: int) -> torch.Tensor:
