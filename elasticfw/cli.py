@@ -3,6 +3,7 @@
     elasticfw plugins [--kind KIND] [--json] [-v]
     elasticfw recipe validate FILE [key=value ...]
     elasticfw recipe show FILE [key=value ...]
+    elasticfw recipe resolve FILE [key=value ...] [-o OUT]   # the recipe with its bases merged in
     elasticfw recipe schema
     elasticfw eval FILE [key=value ...] [--adapter DIR] [--output DIR] [--resume | --overwrite]
                                                # the recipe's elastic section (or an adapter) on its tasks
@@ -13,6 +14,10 @@
                                                # train the router (Lagrangian objective), then evaluate
     elasticfw demo [key=value ...]             # the paper in miniature on the default model
     elasticfw lm-eval --recipe R [--adapter A] <lm-eval args>   # lm-evaluation-harness on an elastic model
+    elasticfw bench prefill --out F [...]      # model-level time to first token, dense vs elastic
+    elasticfw bench attention --out F [...]    # attention kernels per mode (python -m elasticfw.bench.attention)
+    elasticfw bench router --out F [...]       # router overhead (python -m elasticfw.bench.router)
+    elasticfw bench targets DIR                # DIR/targets.json: issue 10's figures from the JSONs in DIR
 
 Errors elasticfw raises on purpose print as one paragraph and exit with status 2; anything else
 is a bug and keeps its traceback.
@@ -101,6 +106,28 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_resolve(args: argparse.Namespace) -> int:
+    from elasticfw.recipe import load_recipe
+    from elasticfw.recipe.loader import recipe_path, resolve_recipe_bases
+
+    load_recipe(args.file, args.overrides)  # refuse to write a recipe that does not validate
+    data = resolve_recipe_bases(args.file, args.overrides)
+    header = []  # the recipe's opening comments (its command, what it is), then where this came from
+    for line in recipe_path(args.file).read_text(encoding="utf-8-sig").splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line)
+    command = " ".join(["elasticfw recipe resolve", str(args.file), *args.overrides])
+    header += [f"# Written by `{command}`:", "# the recipe with its `base:` files merged in, self-contained."]
+    text = "\n".join(header) + "\n" + yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+    if args.output is None:
+        print(text, end="")
+        return 0
+    Path(args.output).write_text(text, encoding="utf-8")
+    print(f"wrote {args.output}: {args.file} with its bases merged in")
+    return 0
+
+
 def _cmd_schema(args: argparse.Namespace) -> int:
     from elasticfw.recipe import recipe_model
 
@@ -157,6 +184,49 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_prefill(args: argparse.Namespace) -> int:
+    from elasticfw.bench import prefill
+
+    return prefill.main(args=args)
+
+
+def _cmd_bench_passthrough(args: argparse.Namespace) -> int:
+    import importlib
+
+    module = importlib.import_module(f"elasticfw.bench.{args.bench_command}")
+    return int(module.main(args.args) or 0)
+
+
+def _cmd_bench_targets(args: argparse.Namespace) -> int:
+    from elasticfw.bench.targets import write_targets
+
+    path, targets = write_targets(Path(args.folder), out=Path(args.out) if args.out else None)
+    for t in targets:
+        value = "missing" if t["value"] is None else f"{t['value']:.4g}"
+        print(f"{'met ' if t['met'] else 'NOT '} {t['figure']}: {value} (target {t['target']:.4g}; {t['source']})")
+    print(f"wrote {path}")
+    return 0
+
+
+def _add_bench(sub: Any) -> None:
+    from elasticfw.bench import prefill
+
+    bench = sub.add_parser("bench", help="benchmarks: prefill, attention, router; targets from their JSONs")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    p = bsub.add_parser("prefill", help="model-level time to first token: dense SDPA vs elastic (random weights)")
+    prefill.add_arguments(p)
+    p.set_defaults(func=_cmd_bench_prefill)
+    for name, text in (("attention", "attention kernels per mode against dense SDPA"),
+                       ("router", "router overhead for all layers")):
+        p = bsub.add_parser(name, help=f"{text} (arguments: python -m elasticfw.bench.{name} --help)", add_help=False)
+        p.add_argument("args", nargs=argparse.REMAINDER)
+        p.set_defaults(func=_cmd_bench_passthrough)
+    p = bsub.add_parser("targets", help="targets.json (issue 10's figures) from the benchmark JSONs of a folder")
+    p.add_argument("folder", help="folder holding the benchmark JSONs (attention, prefill, router, demo)")
+    p.add_argument("--out", help="where to write (default: FOLDER/targets.json)")
+    p.set_defaults(func=_cmd_bench_targets)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elasticfw", description="Test-time adaptive sparse attention.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -177,6 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
         rp.add_argument("file")
         rp.add_argument("overrides", nargs="*", help="dotted.key=value")
         rp.set_defaults(func=func)
+    rp = rsub.add_parser(
+        "resolve", help="write the recipe with its `base:` files merged in, to copy it anywhere (validated first)"
+    )
+    rp.add_argument("file", help="the recipe (a path, or elasticfw:NAME for a recipe shipped with elasticfw)")
+    rp.add_argument("overrides", nargs="*", help="dotted.key=value, written into the result")
+    rp.add_argument("-o", "--output", help="the file to write (replaced if it exists; default: standard output)")
+    rp.set_defaults(func=_cmd_resolve)
     rp = rsub.add_parser("schema", help="JSON schema of recipes (with the installed plugins)")
     rp.set_defaults(func=_cmd_schema)
 
@@ -219,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.steps=4")
     p.add_argument("--output", help="the run folder (default: runs/demo-<date>-<time>)")
     p.set_defaults(func=_cmd_demo)
+
+    _add_bench(sub)
     return parser
 
 
@@ -232,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         except ElasticError as exc:
             print(f"elasticfw: error: {exc}", file=sys.stderr)
             return 2
+    if argv[:1] == ["bench"] and argv[1:2] in (["attention"], ["router"]):  # their own parsers take the rest
+        return _cmd_bench_passthrough(argparse.Namespace(bench_command=argv[1], args=argv[2:]))
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # `train FILE --resume k=v`: overrides may also follow an option

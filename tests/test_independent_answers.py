@@ -8,7 +8,7 @@ batched vs one by one, cached vs uncached), so a bug that every path shares surv
   output exactly plain SDPA with a hand-built boolean mask (causal, padding, the backbone's
   sliding window, and for the query heads of streaming KV heads the sink + local window at the
   mode's block or token granularity, in each sample's own token positions), on the ``reference``,
-  ``sdpa`` and (emulated) ``flex`` executors; negative controls show that swapping the sparse and
+  ``sdpa``, (emulated) ``flex`` and ``split`` executors; negative controls show that swapping the sparse and
   full heads, or mapping query heads to the wrong GQA group, fails that comparison;
 * the training mix ``O = r O_sparse + (1 - r) O_retrieval`` and its gradient ``dO/dr =
   O_sparse - O_retrieval``, per family, through the whole model with padding;
@@ -56,6 +56,7 @@ EXECUTORS = {
     "reference": {"name": "reference"},
     "sdpa": {"name": "sdpa"},
     "flex": {"name": "flex", "implementation": "emulated"},
+    "split": {"name": "split"},  # on a CPU: dense SDPA for full heads, gathered SDPA for the others
 }
 
 #: id -> (family, config overrides, route sliding-window layers, streaming heads)

@@ -167,7 +167,9 @@ def test_block_granularity_with_one_token_tiles_is_token_granularity():
     q, k, _, seq = make_inputs((2, 6, 2, 203, 203, 16), kv_lens=[203, 150])
     masks = [
         dense_mask(
-            _mode(moba_block_size=32, top_k=3, block_size=1, query_granularity=g).build_layout(q, k, seq), seq
+            _mode(moba_block_size=32, top_k=3, block_size=1, query_granularity=g).build_layout(q, k, seq),
+            seq,
+            num_heads=6,
         )
         for g in ("token", "block")
     ]
@@ -265,9 +267,9 @@ def test_gating_runs_in_float32(dtype, granularity):
 def test_gate_chunking_does_not_change_the_layout(monkeypatch):
     q, k, _, seq = make_inputs((2, 3, 1, 97, 181, 16), kv_lens=[181, 120])
     mode = _mode(moba_block_size=32, top_k=3, block_size=16)
-    whole = dense_mask(mode.build_layout(q, k, seq), seq)
+    whole = dense_mask(mode.build_layout(q, k, seq), seq, num_heads=3)
     monkeypatch.setattr(moba_module, "GATE_CHUNK", 7)
-    assert torch.equal(dense_mask(mode.build_layout(q, k, seq), seq), whole)
+    assert torch.equal(dense_mask(mode.build_layout(q, k, seq), seq, num_heads=3), whole)
 
 
 def test_config_defaults_are_the_papers():

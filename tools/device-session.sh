@@ -10,6 +10,8 @@
 #   calls 2.., carry [.gguf/pK]:       bash tools/device-session.sh stage-a
 #   last call, carry [.gguf/pN]:       bash tools/device-session.sh stage-b -- <command ...>
 #   later calls while warm:            bash tools/device-session.sh run -- <command ...>
+#   no default model needed (benchmarks with random weights), carry [.whl]:
+#                                      bash tools/device-session.sh bare -- <command ...>
 # stage-a installs carried wheels and keeps carried pieces; stage-b also joins the pieces in order
 # and checks the sha256. Every stage re-installs this checkout (no deps, editable), exports
 # ELASTICFW_SMOLLM2_GGUF and a cache folder, prints the versions, then runs the command with its
@@ -20,7 +22,7 @@ SITE=$STORE/site
 GGUF=$STORE/SmolLM2-135M-Instruct.Q4_1.gguf
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 mkdir -p "$STORE"
-stage=${1:?stage-a | stage-b | run}; shift
+stage=${1:?stage-a | stage-b | run | bare}; shift
 [ "${1:-}" = "--" ] && shift
 
 keep_carried() {
@@ -46,6 +48,7 @@ case "$stage" in
     mv "$GGUF.tmp" "$GGUF"; rm -rf "$STORE/parts"
     echo "stage-b: GGUF assembled, sha256 ok"
     ;;
+  bare) keep_carried ;;
   run) [ -f "$GGUF" ] || { echo "run: no GGUF (the machine went cold): stage-a and stage-b again" >&2; exit 3; } ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

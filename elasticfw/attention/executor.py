@@ -10,7 +10,7 @@ import torch
 
 from elasticfw.attention.inputs import NOT_GIVEN, check_attention_inputs
 from elasticfw.attention.layout import BlockLayout
-from elasticfw.attention.mode import AttentionOutput
+from elasticfw.attention.mode import AttentionOutput, routed_layout
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
 from elasticfw.registry import PluginConfig
@@ -117,3 +117,25 @@ class Executor(ABC):
         """Attention of every head over the pairs ``layout`` (plus causality) allows.
 
         With ``need_lse=False`` an executor may skip the log-sum-exp (``lse=None``)."""
+
+    def attend_routed(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seq: SeqInfo,
+        *,
+        hard: torch.Tensor,
+        layouts: tuple[BlockLayout, BlockLayout],
+        scale: float,
+        need_lse: bool = True,
+    ) -> AttentionOutput:
+        """Attention of heads routed between two layouts: query head ``h`` of sample ``b`` computes
+        ``layouts[1]`` (the sparse mode's) where ``hard[b, h]`` (B, Hq bool) is True, else
+        ``layouts[0]`` (the retrieval mode's). Side branches are not included (the caller merges
+        them). Same inputs, outputs and gradients as :meth:`attend` over the per-head combination.
+
+        Default: one :meth:`attend` launch over :func:`~elasticfw.attention.mode.routed_layout`, so
+        executors written before this hook keep working. An executor that runs head groups through
+        different kernels (e.g. dense causal heads through a dense kernel) overrides it."""
+        return self.attend(q, k, v, routed_layout(hard, layouts, seq), seq, scale=scale, need_lse=need_lse)

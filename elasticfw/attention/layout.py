@@ -229,16 +229,46 @@ def with_window(layout: BlockLayout, seq: SeqInfo, window: int) -> BlockLayout:
 # ---------------------------------------------------------------------------------------
 
 
-def dense_mask(
-    layout: BlockLayout, seq: SeqInfo, rows: slice | None = None, num_heads: int | None = None
-) -> torch.Tensor:
-    """(B, H, rows, Sk) bool: the exact (query row, key) pairs a layout computes, causality included.
+def dense_mask(layout: BlockLayout, seq: SeqInfo, rows: slice | None = None, *, num_heads: int) -> torch.Tensor:
+    """The token-level view of a layout: which (query, key) pairs of real tokens it computes.
 
-    Meant for the reference executor (in row chunks) and for tests; it is O(rows * S).
+    Returns a ``(B, num_heads, R, kv_capacity)`` bool tensor, ``R`` the query rows in ``rows``
+    (default: all ``seq.q_len``). ``mask[b, h, i, j]`` is True exactly when query row ``i`` of
+    sample ``b`` at query head ``h`` attends to key ``j``, that is when all of these hold:
+
+    * the layout selects the pair: its block ``blocks[b, h, t, j // block_size]`` (``t`` the row's
+      query block) is set, and its token mask, if any, is True for the pair;
+    * causality: ``j <= p``, where ``p = seq.q_start[b] + i`` is the row's position;
+    * both are real tokens of sample ``b`` (see :class:`~elasticfw.attention.seq.SeqInfo`): the
+      row is not a padding row (``p < seq.kv_len[b]``) and the key is not a padding key
+      (``j < seq.kv_len[b]``).
+
+    So a padding row is all False (it attends to nothing; executors give it ``out == 0`` and
+    ``lse == -inf``), and so is every padding column. Summed over rows and keys
+    (``mask.sum((-1, -2))``), it counts the pairs :func:`computed_pairs` counts.
+
+    :param layout: the block layout, of 1 head (one pattern for every head), ``Hkv`` heads (one
+        per KV head, repeated for the query heads of its group) or ``num_heads`` heads; see
+        :func:`expand_heads`.
+    :param seq: where the real tokens are, in canonical coordinates.
+    :param rows: the query rows to return (a slice of ``range(seq.q_len)``), so that an executor
+        can build the mask chunk by chunk; default all rows.
+    :param num_heads: the number of heads of the result: the query heads ``Hq`` of the attention.
+        Required (keyword only), so that a layout of 1 or ``Hkv`` heads is never silently returned
+        at its own head count.
+    :raises UnsupportedInputError: ``num_heads`` is not a positive int, or not a multiple of the
+        layout's heads (a 1-head layout fits any ``num_heads``).
+
+    Memory and time are O(B * num_heads * R * kv_capacity): this is for the reference and dense
+    executors (in row chunks) and for tests, not for long sequences.
     """
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise UnsupportedInputError(
+            f"dense_mask: num_heads must be a positive int (the query heads Hq), got {num_heads!r}"
+        )
     bs = layout.block_size
-    heads = num_heads if num_heads is not None else layout.num_heads
-    lay = broadcast_heads(layout, heads)
+    lay = broadcast_heads(layout, num_heads)
+    heads = num_heads
     rows = rows if rows is not None else slice(0, seq.q_len)
     row_idx = torch.arange(seq.q_len, device=seq.device)[rows]
     pos = seq.q_start[:, None] + row_idx[None, :]  # (B, R)
@@ -250,7 +280,11 @@ def dense_mask(
     row_blocks = blocks.gather(2, idx)  # (B, H, R, NKB)
     kv = torch.arange(seq.kv_capacity, device=seq.device)
     mask = row_blocks[..., torch.div(kv, bs, rounding_mode="floor")]
-    mask = mask & (kv[None, None, None, :] <= pos[:, None, :, None])
+    # causality, and real tokens only: a padding row (position >= kv_len) or key (index >= kv_len)
+    # is all False; for a real row, j <= position < kv_len already keeps its keys real
+    kv_len = seq.kv_len[:, None, None, None]
+    real_row = pos[:, None, :, None] < kv_len
+    mask = mask & (kv[None, None, None, :] <= pos[:, None, :, None]) & real_row & (kv[None, None, None, :] < kv_len)
     if lay.token_mask is not None:
         b_idx = torch.arange(batch, device=seq.device)[:, None, None, None]
         h_idx = torch.arange(heads, device=seq.device)[None, :, None, None]

@@ -43,6 +43,64 @@ def merge_lse(a: AttentionOutput, b: AttentionOutput) -> AttentionOutput:
     return AttentionOutput(out.to(a.out.dtype), lse)
 
 
+@dataclass(frozen=True)
+class DecodeKeep:
+    """The keys a mode can still read once the prefill is over: what a compact KV cache keeps.
+
+    A key at position ``j`` is readable by the query at position ``p`` iff ``j <= p`` and
+    (``j < sink_tokens`` or ``j >= window_start(p)``), with
+    ``window_start(p) = (p // granularity + 1) * granularity - local_tokens``: a token-exact
+    window of the last ``local_tokens`` positions when ``granularity`` is 1, a window of whole
+    ``granularity``-token blocks (the query's own block counted in it) otherwise. The window
+    start never decreases with ``p``, so a key outside the sink that falls before it is never read
+    again and can be evicted; at most ``local_tokens`` window keys are readable at once, so a ring
+    buffer of ``local_tokens`` slots beside ``sink_tokens`` sink slots holds them.
+
+    A mode that returns one from :meth:`AttentionMode.decode_keep` promises that, for every query
+    position at or after the prefill, its layout (and side branch) read *exactly* these keys:
+    a compact head's decode attention is then a plain softmax over its kept keys, with no layout.
+    """
+
+    sink_tokens: int
+    local_tokens: int
+    granularity: int = 1
+
+    def __post_init__(self) -> None:
+        if self.sink_tokens < 0 or self.local_tokens < 1 or self.granularity < 1:
+            raise ValueError(
+                f"DecodeKeep needs sink_tokens >= 0, local_tokens >= 1 and granularity >= 1; got "
+                f"sink_tokens={self.sink_tokens}, local_tokens={self.local_tokens}, granularity={self.granularity}"
+            )
+        if self.local_tokens % self.granularity:
+            raise ValueError(
+                f"DecodeKeep: local_tokens={self.local_tokens} must be a multiple of granularity={self.granularity} "
+                "(the window is made of whole blocks)"
+            )
+
+    @property
+    def capacity(self) -> int:
+        """Slots per (sample, KV head): the sink plus a ring of ``local_tokens``."""
+        return self.sink_tokens + self.local_tokens
+
+    def window_start(self, position: torch.Tensor) -> torch.Tensor:
+        """First window position readable by the query at ``position`` (elementwise)."""
+        g = self.granularity
+        return (torch.div(position, g, rounding_mode="floor") + 1) * g - self.local_tokens
+
+    def visible(self, key_position: torch.Tensor, query_position: torch.Tensor) -> torch.Tensor:
+        """Whether the key at ``key_position`` is read by the query at ``query_position``
+        (broadcasting; negative key positions mark empty slots and are never visible)."""
+        return (
+            (key_position >= 0)
+            & (key_position <= query_position)
+            & ((key_position < self.sink_tokens) | (key_position >= self.window_start(query_position)))
+        )
+
+    def stored(self, length: int) -> int:
+        """Keys a compact cache holds for a sequence of ``length`` tokens: the sink and the ring."""
+        return min(length, self.sink_tokens) + min(max(length - self.sink_tokens, 0), self.local_tokens)
+
+
 #: marks a method already wrapped by :meth:`AttentionMode.__init_subclass__`
 _CHECKED = "__elasticfw_checked__"
 
@@ -118,6 +176,17 @@ class AttentionMode(ABC):
         """Optional extra attention merged with the layout's by log-sum-exp (default: none)."""
         return None
 
+    def decode_keep(self) -> DecodeKeep | None:
+        """The keys this mode can still read at decode, or ``None`` (default) when any past key may
+        be read again (full attention, and modes that select past blocks by content: XAttention,
+        MoBA, NSA). A compact KV cache (``elastic.kv_cache: compact``) keeps only the declared keys
+        of the heads routed to this mode, for the rest of the sequence. The declaration must be
+        exact for every query position at or after the prefill (see :class:`DecodeKeep`);
+        ``tests/test_kv_cache.py`` checks every registered mode that opts in against its
+        :meth:`build_layout` at decode positions.
+        """
+        return None
+
     def attend(
         self,
         q: torch.Tensor,
@@ -146,6 +215,14 @@ class AttentionMode(ABC):
         return f"{type(self).__name__}({self.config!r})"
 
 
+def routed_layout(hard: torch.Tensor, layouts: tuple[BlockLayout, BlockLayout], seq: SeqInfo) -> BlockLayout:
+    """One per-head layout for routed heads: ``hard`` (B, Hq) True takes ``layouts[1]`` (sparse),
+    False ``layouts[0]`` (retrieval), both re-expressed at the smaller block size."""
+    lay_r, lay_s = layouts
+    bs = min(lay_r.block_size, lay_s.block_size)
+    return select_heads(hard, rescale(lay_s, seq, bs), rescale(lay_r, seq, bs))
+
+
 def attend_routed(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -160,16 +237,15 @@ def attend_routed(
     scale: float,
     need_lse: bool = False,
 ) -> AttentionOutput:
-    """Every query head in its routed mode in one executor launch: ``hard`` (B, Hq) True sends a
-    head to ``sparse``, else to ``retrieval``; ``layouts`` are their (retrieval, sparse) layouts.
-    The two layouts are combined per head (at the smaller block size) and run together; a mode's
-    side branch (NSA's compressed keys) is merged into its own heads by log-sum-exp."""
-    lay_r, lay_s = layouts
-    bs = min(lay_r.block_size, lay_s.block_size)
-    combined = select_heads(hard, rescale(lay_s, seq, bs), rescale(lay_r, seq, bs))
+    """Every query head in its routed mode: ``hard`` (B, Hq) True sends a head to ``sparse``, else
+    to ``retrieval``; ``layouts`` are their (retrieval, sparse) layouts. The executor runs them
+    (:meth:`~elasticfw.attention.executor.Executor.attend_routed`; by default one launch over
+    :func:`routed_layout`, the per-head combination at the smaller block size); a mode's side
+    branch (NSA's compressed keys) is merged into its own heads by log-sum-exp."""
     extras = [(mode.side_branch(q, k, v, seq, scale=scale), heads) for mode, heads in ((sparse, hard), (retrieval, ~hard))]
     need_lse = need_lse or any(extra is not None for extra, _ in extras)
-    result = executor.attend(q, k, v, combined, seq, scale=scale, need_lse=need_lse)
+    # the executor decides how to launch the two head groups (default: one launch over routed_layout)
+    result = executor.attend_routed(q, k, v, seq, hard=hard, layouts=layouts, scale=scale, need_lse=need_lse)
     for extra, heads in extras:
         if extra is not None:
             merged = merge_lse(result, extra)

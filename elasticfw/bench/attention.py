@@ -161,13 +161,17 @@ def _modes(args: argparse.Namespace) -> list[AttentionMode]:
     return out
 
 
+def _hybrid_heads(seq: SeqInfo, hq: int, hkv: int, msr: float) -> torch.Tensor:
+    """(B, Hq) bool, True on the sparse heads: all but the first ``round((1 - msr) * hkv)`` KV heads."""
+    n_full = int(round((1.0 - msr) * hkv))
+    group = hq // hkv
+    return (torch.arange(hq, device=seq.device) // group >= n_full)[None, :].expand(seq.batch, hq)
+
+
 def _hybrid(sparse: BlockLayout, seq: SeqInfo, hq: int, hkv: int, msr: float) -> BlockLayout:
     """First ``round((1 - msr) * hkv)`` KV heads full (causal), the rest ``sparse`` (per query head)."""
     full = causal_layout(seq, sparse.block_size)
-    n_full = int(round((1.0 - msr) * hkv))
-    group = hq // hkv
-    use_full = (torch.arange(hq, device=seq.device) // group < n_full)[None, :].expand(seq.batch, hq)
-    return select_heads(use_full, full, sparse)
+    return select_heads(~_hybrid_heads(seq, hq, hkv, msr), full, sparse)
 
 
 def _executor(name: str, **config: Any) -> Any:
@@ -399,6 +403,35 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
 
             rec.run({"seq": S, "name": f"mode:{name}", "kind": "fwd"}, side_body)
 
+    # -- other executors (e.g. split): every mode alone, and the hybrid through attend_routed ------
+    for ex_name in [n for n in args.executors if n != "flex"]:
+        other = _executor(ex_name)
+        for name, (_mode, layout) in layouts.items():
+            def alone(layout: BlockLayout = layout, other: Any = other) -> Any:
+                return other.attend(q0, k0, v0, layout, seq, scale=scale, need_lse=False)
+
+            runs: list[tuple[str, Callable[[], Any]]] = [(f"{ex_name}:{name}", alone)]
+            if not args.no_hybrid and not layout.dense_causal:
+
+                def routed(layout: BlockLayout = layout, other: Any = other) -> Any:
+                    full = causal_layout(seq, layout.block_size)
+                    hard = _hybrid_heads(seq, hq, hkv, args.msr)
+                    return other.attend_routed(q0, k0, v0, seq, hard=hard, layouts=(full, layout), scale=scale,
+                                               need_lse=False)
+
+                runs.append((f"{ex_name}:hybrid(full+{name},msr={args.msr})", routed))
+            for entry, call in runs:
+
+                def other_body(row, call=call):
+                    def fn():
+                        with torch.no_grad():
+                            call()
+
+                    row["first_call_s"] = first_call_s(fn, device)
+                    finish(row, time_ms(fn, device, args), dense=False)
+
+                rec.run({"seq": S, "name": entry, "kind": "fwd"}, other_body)
+
 
 def correctness(N: int, args: argparse.Namespace, rec: Recorder, device: torch.device) -> None:
     """The flex executor (as configured) against the reference executor on this device, for every
@@ -466,6 +499,54 @@ def correctness(N: int, args: argparse.Namespace, rec: Recorder, device: torch.d
                     raise AssertionError(f"flex vs reference ({case}): " + ", ".join(bad))
 
             rec.run({"seq": N, "name": f"check:{mode.name}:{case}", "kind": "check"}, body)
+
+
+def routed_correctness(name: str, N: int, args: argparse.Namespace, rec: Recorder, device: torch.device) -> None:
+    """Executor ``name`` against the reference executor on a dense prefill of N tokens, the way the
+    runtime calls it (``need_lse=False``): every mode's layout alone (``attend``) and routed with
+    full attention (``attend_routed``: the first KV heads full, and every other KV head full);
+    outputs and q/k/v gradients."""
+    from elasticfw.testing.modes import TOLERANCE, rel_rms
+
+    dtype = DTYPES[args.dtype]
+    hq, hkv, D = args.q_heads, args.kv_heads, args.head_dim
+    tol = TOLERANCE[dtype]
+    executor, reference = _executor(name), _executor("reference")
+    seq = SeqInfo.dense(1, N, N, device=device)
+    g = torch.Generator(device="cpu").manual_seed(2)
+    q0, k0, v0, dout = (torch.randn(1, h, N, D, generator=g).to(device, dtype) for h in (hq, hkv, hkv, hq))
+    group = hq // hkv
+    scattered = (torch.arange(hq, device=device) // group % 2 == 1)[None, :]
+    for mode in _modes(args):
+        with torch.no_grad():
+            layout = mode.build_layout(q0, k0, seq)
+        full = causal_layout(seq, layout.block_size)
+        calls: dict[str, Callable[..., Any]] = {
+            "alone": lambda ex, q, k, v, layout=layout: ex.attend(q, k, v, layout, seq, scale=D**-0.5, need_lse=False)
+        }
+        if not layout.dense_causal:
+            for label, hard in (("routed_first_full", _hybrid_heads(seq, hq, hkv, args.msr)), ("routed_scattered", scattered)):
+                calls[label] = lambda ex, q, k, v, layout=layout, full=full, hard=hard: ex.attend_routed(
+                    q, k, v, seq, hard=hard, layouts=(full, layout), scale=D**-0.5, need_lse=False)
+        for label, call in calls.items():
+
+            def body(row, call=call):
+                results = []
+                for ex, cast in ((executor, dtype), (reference, torch.float32)):
+                    q, k, v = (t.detach().to(cast).requires_grad_(True) for t in (q0, k0, v0))
+                    out = call(ex, q, k, v).out
+                    out.backward(dout.to(cast))
+                    results.append((out.detach().float(), [t.grad.float() for t in (q, k, v)]))
+                (out, grads), (rout, rgrads) = results
+                row["out_rel_rms"] = rel_rms(out, rout)
+                row["grad_rel_rms"] = {n: rel_rms(x, y) for n, x, y in zip("qkv", grads, rgrads)}
+                row["tolerance"] = {"out": tol, "grad": 3 * tol}
+                bad = [] if row["out_rel_rms"] < tol else [f"out rel RMS {row['out_rel_rms']:.2e}"]
+                bad += [f"d{n} rel RMS {e:.2e}" for n, e in row["grad_rel_rms"].items() if not e < 3 * tol]
+                if bad:
+                    raise AssertionError(f"{name} vs reference: " + ", ".join(bad))
+
+            rec.run({"seq": N, "name": f"check:{name}:{mode.name}:{label}", "kind": "check"}, body)
 
 
 def layout_memory(
@@ -552,6 +633,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--implementation", default="auto", help="flex executor implementation (auto/compiled/...)"
     )
+    p.add_argument(
+        "--executors",
+        nargs="+",
+        default=["flex"],
+        help="executors timed: flex (the flex:* entries) and others by name (<name>:<mode>, <name>:hybrid(...) "
+        "through attend_routed, need_lse=False; a routed correctness check against the reference first)",
+    )
     p.add_argument("--msr", type=float, default=0.875, help="sparse share of KV heads in the hybrid entries")
     p.add_argument("--no-hybrid", action="store_true")
     p.add_argument("--no-backward", action="store_true")
@@ -601,6 +689,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.check_seq:
         correctness(args.check_seq, args, rec, device)
+        for ex_name in [n for n in args.executors if n != "flex"]:
+            routed_correctness(ex_name, args.check_seq, args, rec, device)
         _write(args.out, report, rec)
     for S in args.seq:
         bench_seq(S, args, rec, device)

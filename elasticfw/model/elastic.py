@@ -9,6 +9,7 @@ attention interface.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,36 @@ def resolve_adapter(config: Any, registry: Registry | None = None) -> BackboneAd
             f"{', '.join(sorted(supported))}. Write a backbone plugin (see docs/how-to/add-a-backbone.md)"
         )
     return registry.get("backbone", supported[model_type])()
+
+
+#: the two names transformers 5.x has given the KV-cache argument of ``forward`` and ``generate``
+CACHE_ARGUMENTS = ("cache", "past_key_values")
+
+
+def cache_argument(model: nn.Module) -> str:
+    """The name under which ``model.forward`` takes its KV cache in the installed transformers:
+    ``past_key_values`` (5.17 and earlier 5.x) or ``cache`` (later 5.x)."""
+    params = inspect.signature(model.forward).parameters
+    for name in CACHE_ARGUMENTS:
+        if name in params:
+            return name
+    raise UnsupportedInputError(
+        f"{type(model).__name__}.forward takes none of {CACHE_ARGUMENTS}: elasticfw cannot pass it a KV cache"
+    )
+
+
+def with_cache_argument(kwargs: dict[str, Any], name: str) -> dict[str, Any]:
+    """``kwargs`` with a cache given under either name moved to ``name`` (both given: an error), so
+    code written for one transformers version runs with the other."""
+    other = next(n for n in CACHE_ARGUMENTS if n != name)
+    if kwargs.get(other) is None:
+        kwargs.pop(other, None)
+        return kwargs
+    if kwargs.get(name) is not None:
+        raise UnsupportedInputError(f"a KV cache was given both as {name}= and as {other}=; give one")
+    kwargs = dict(kwargs)
+    kwargs[name] = kwargs.pop(other)
+    return kwargs
 
 
 @dataclass(frozen=True)
@@ -108,6 +139,8 @@ class ElasticModel(nn.Module):
         self.base_model_name = base_model_name or getattr(model.config, "_name_or_path", None) or ""
         self.heads = HeadLayout(routed, hkv, hq, head_dim)
         self.base = model
+        #: the name of the backbone's KV-cache argument in the installed transformers
+        self.cache_argument = cache_argument(model)
         self.router: Router = registry.make("router", elastic.router, heads=self.heads)
         device = next(model.parameters()).device
         self.router.to(device)
@@ -149,20 +182,35 @@ class ElasticModel(nn.Module):
         return [p for p in self.router.parameters() if p.requires_grad]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The backbone's forward. The KV cache may be given as ``cache=`` or ``past_key_values=``
+        whichever transformers version is installed (:func:`with_cache_argument`)."""
         self._check_packed(kwargs)
-        return self.base(*args, **kwargs)
+        return self.base(*args, **with_cache_argument(kwargs, self.cache_argument))
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """``generate`` of the backbone; routing is decided on the prompt and kept for every step
-        (with or without a KV cache)."""
+        (with or without a KV cache). With ``elastic.kv_cache: compact`` and no cache given, the
+        call runs with a fresh :class:`~elasticfw.model.kv_cache.ElasticKVCache` (sparse heads keep
+        only what their mode reads at decode)."""
         self._check_packed(kwargs)
-        cache_impl = kwargs.get("cache_implementation") or getattr(
-            getattr(self.base, "generation_config", None), "cache_implementation", None
-        )
+        kwargs = with_cache_argument(kwargs, self.cache_argument)
+        config = getattr(self.base, "generation_config", None)
+        cache_impl = kwargs.get("cache_implementation") or getattr(config, "cache_implementation", None)
         if cache_impl not in (None, "dynamic"):
             raise UnsupportedInputError(
                 f"cache_implementation={cache_impl!r} is not supported by elasticfw; use the default dynamic cache"
             )
+        given = kwargs.get(self.cache_argument)
+        use_cache = kwargs.get("use_cache", getattr(config, "use_cache", True))
+        if getattr(self.elastic_config, "kv_cache", "full") == "compact" and given is None and use_cache is not False:
+            beams = kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1
+            assisted = any(kwargs.get(k) is not None for k in ("assistant_model", "prompt_lookup_num_tokens"))
+            if beams > 1 or assisted:
+                raise UnsupportedInputError(
+                    "elastic.kv_cache=compact supports greedy decoding and sampling; beam search and assisted "
+                    "decoding need the evicted keys back: use elastic.kv_cache=full"
+                )
+            kwargs[self.cache_argument] = self.make_kv_cache()
         self.runtime.decisions.clear()
         self.runtime.records.clear()
         self.runtime.hold_decisions = True
@@ -170,6 +218,13 @@ class ElasticModel(nn.Module):
             return self.base.generate(*args, **kwargs)
         finally:
             self.runtime.hold_decisions = False
+
+    def make_kv_cache(self, **options: Any) -> Any:
+        """A fresh compact KV cache for this model (:class:`~elasticfw.model.kv_cache.ElasticKVCache`;
+        ``options`` are its keyword arguments), for ``generate(cache=...)`` or a forward."""
+        from elasticfw.model.kv_cache import ElasticKVCache
+
+        return ElasticKVCache(self, **options)
 
     @staticmethod
     def _check_packed(kwargs: dict[str, Any]) -> None:

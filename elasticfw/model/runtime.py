@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from elasticfw.errors import ElasticError
 from elasticfw.model.bridge import KeyPaddingInfo
 from elasticfw.model.canonical import Canonical, canonicalize
 from elasticfw.routing.base import Router, RouterDecision
+
+if TYPE_CHECKING:
+    from elasticfw.model.kv_cache import ElasticKVLayer
 
 Observer = Callable[[int, Canonical, float], None]
 
@@ -71,6 +75,9 @@ class ElasticRuntime:
     #: Training sets it to the prompt lengths, so the router decides on the prompt exactly as it
     #: does at inference and never sees the answer it is trained to produce.
     route_lengths: torch.Tensor | None = None
+    #: set by a compact KV cache's ``update`` (:mod:`elasticfw.model.kv_cache`): layer -> (its cache
+    #: layer, the keys it returned), so that the attention call that follows is paired with it
+    kv_handoff: dict[int, tuple[ElasticKVLayer, torch.Tensor]] = field(default_factory=dict)
 
     # -- entry point (called by the bridge) ---------------------------------------------------
     def attend(
@@ -84,14 +91,28 @@ class ElasticRuntime:
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
+        handoff = self.kv_handoff.pop(layer_idx, None)
+        # a stale entry (a forward that failed after the cache's update) does not pair with these keys
+        cache_layer = handoff[0] if handoff is not None and handoff[1] is k else None
         if torch.is_autocast_enabled(q.device.type):  # as SDPA under autocast: all three in the autocast dtype
             dtype = torch.get_autocast_dtype(q.device.type)
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        if cache_layer is not None and cache_layer.compacted:
+            if self.observers:
+                raise ElasticError(
+                    "attention observers need every key, but this layer's compact KV cache evicted some; "
+                    "use elastic.kv_cache=full while observing"
+                )
+            return cache_layer.attend(q, info, scale=scale, executor=self.executor)
         can = canonicalize(q, k, v, info)
         for observer in self.observers:
             observer(layer_idx, can, scale)
         decision = self._decision(layer_idx, can)
         out = self._execute(layer_idx, can, decision, scale, sliding_window)
+        if cache_layer is not None:  # the prefill ran on the whole cache: now keep what each head reads
+            mixing = self.mixing
+            with torch.no_grad():
+                cache_layer.compact(can, None if decision is None else decision.sparse.detach() > 0.5, mixing=mixing)
         return can.restore(out)
 
     @property

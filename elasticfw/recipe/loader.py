@@ -1,11 +1,20 @@
 """Load a recipe: YAML (data only) → inheritance through ``base:`` → ``key=value`` overrides →
 interpolation, with OmegaConf. Validation is :mod:`elasticfw.recipe.schema`'s job.
 
-A recipe file may name one or more base files (paths relative to the file)::
+A recipe file may name one or more base files::
 
     base: _base/passkey.yaml        # or a list, merged left to right
     elastic:
       sparse_mode: {name: streaming, sink_tokens: 64}
+
+A relative base path is looked for, in order, (1) relative to the folder of the file that names
+it, (2) relative to each folder of the ``ELASTICFW_RECIPE_PATH`` environment variable (folders
+separated by ``os.pathsep``, ``:`` on Linux and macOS), (3) among the recipes shipped inside the
+installed package (``elasticfw/recipes/``); the first file that exists is read. An absolute path
+is read as it is; ``elasticfw:NAME`` names only a recipe shipped with elasticfw
+(``elasticfw:demo.yaml``), and so does a recipe path given as ``elasticfw:NAME`` to
+:func:`load_recipe_dict`. :func:`resolve_recipe_bases` returns a recipe with its bases merged in,
+which ``elasticfw recipe resolve`` writes as a self-contained file.
 
 A plugin section (``elastic.sparse_mode``, ``elastic.router``, ``eval.task`` ...) is *replaced*,
 not merged, when the overriding file names a different plugin: parameters of one plugin never
@@ -42,13 +51,14 @@ from __future__ import annotations
 
 import os
 import re
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from elasticfw.errors import RecipeError
+from elasticfw.errors import RecipeError, suggest
 from elasticfw.recipe.schema import PLUGIN_FIELDS
 from elasticfw.recipe.yaml_files import (
     MAX_BASE_CHAIN,
@@ -68,6 +78,12 @@ from elasticfw.recipe.yaml_files import (
 )
 
 BASE_KEY = "base"
+#: a base path is shown whole in errors up to this length (PATH_MAX); longer values are cut
+PATH_CHARS = 4096
+RECIPE_PATH_ENV = "ELASTICFW_RECIPE_PATH"
+"""Environment variable: folders searched for ``base:`` files not found next to the recipe."""
+SHIPPED_PREFIX = "elasticfw:"
+"""Prefix of a recipe path that names a recipe shipped inside the installed package."""
 _OVERRIDE = re.compile(r"^(?P<key>[A-Za-z_][A-Za-z0-9_\-]*(\.[A-Za-z0-9_\-]+)*)=(?P<value>.*)$", re.S)
 
 
@@ -82,6 +98,97 @@ def merge_sections(base: Any, override: Any, key: str | None = None) -> Any:
             merged[k] = merge_sections(base[k], value, k) if k in base else value
         return merged
     return override
+
+
+def shipped_recipes_dir() -> Path:
+    """The folder of the recipes shipped inside the installed elasticfw package (``elasticfw/recipes``)."""
+    return Path(str(resources.files("elasticfw") / "recipes"))
+
+
+def recipe_search_path() -> list[Path]:
+    """The folders of ``ELASTICFW_RECIPE_PATH``, in order (empty entries skipped; a relative entry
+    is relative to the working directory, as in ``PATH``)."""
+    value = os.environ.get(RECIPE_PATH_ENV, "")
+    return [Path(entry) for entry in value.split(os.pathsep) if entry]
+
+
+def _shipped_names() -> list[str]:
+    root = shipped_recipes_dir()
+    try:
+        return sorted(p.relative_to(root).as_posix() for p in root.rglob("*.yaml"))
+    except OSError:
+        return []
+
+
+def _shipped(name: str, where: str) -> Path:
+    """``elasticfw:NAME`` → the shipped file's path (which may not exist); ``where`` starts errors."""
+    rest = name[len(SHIPPED_PREFIX):]
+    if not rest or Path(rest).is_absolute() or ".." in Path(rest).parts:
+        raise RecipeError(
+            f"{where} {shown(name)} must name a recipe shipped with elasticfw by its path inside the "
+            f"package's recipes folder, such as 'elasticfw:demo.yaml' (shipped: {', '.join(_shipped_names()) or 'none'})"
+        )
+    return shipped_recipes_dir() / rest
+
+
+def _exists(path: Path) -> bool:
+    """Whether ``path`` exists; True for a path that cannot be checked, so that reading it reports why."""
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return True
+
+
+def _find_base(base: str, naming: Path) -> Path:
+    """The file a ``base:`` entry names, from the recipe ``naming`` (resolved) that names it:
+    next to it, then in ``ELASTICFW_RECIPE_PATH``, then among the shipped recipes (see the module
+    docstring). Raises a RecipeError that lists every place looked at and how to fix it."""
+    where = f"recipe {str(naming)!r}: `base`"
+    fixes = (
+        f"fix the path; or copy the base next to the recipe; or add the folder that holds it to {RECIPE_PATH_ENV} "
+        f"(folders separated by {os.pathsep!r}; for a recipe copied out of a folder of recipes, that folder); "
+        "or, where the original recipe's bases are found, write it self-contained with its bases merged in: "
+        "`elasticfw recipe resolve ORIGINAL.yaml -o COPY.yaml`"
+    )
+    if base.startswith(SHIPPED_PREFIX):
+        path = _shipped(base, f"{where} file")
+        if _exists(path):
+            return path
+        raise RecipeError(
+            f"{where} file {shown(base, PATH_CHARS)} does not exist: it names a recipe shipped with elasticfw, looked for at "
+            f"{os.path.abspath(path)!r}; {suggest(base[len(SHIPPED_PREFIX):], _shipped_names())}"
+            f"shipped recipes: {', '.join(_shipped_names()) or 'none'}"
+        )
+    if Path(base).is_absolute():
+        if _exists(Path(base)):
+            return Path(base)
+        raise RecipeError(
+            f"{where} file {shown(base, PATH_CHARS)} does not exist (an absolute path is not searched for elsewhere); {fixes}"
+        )
+    here = naming.parent / base
+    if _exists(here):
+        return here
+    search = [folder / base for folder in recipe_search_path()]
+    shipped = shipped_recipes_dir() / base
+    for candidate in (*search, shipped):
+        if _exists(candidate):
+            return candidate
+    env = (
+        f"then in {RECIPE_PATH_ENV} at " + ", ".join(repr(os.path.abspath(p)) for p in search)
+        if search
+        else f"then in {RECIPE_PATH_ENV} (not set)"
+    )
+    raise RecipeError(
+        f"{where} file {shown(base, PATH_CHARS)} does not exist; base paths are relative to the folder of the file that names "
+        f"them, so it was looked for at {os.path.abspath(here)!r}, {env}, then among the recipes shipped with "
+        f"elasticfw at {os.path.abspath(shipped)!r}. To fix it: {fixes}"
+    )
+
+
+def recipe_path(path: str | Path) -> Path:
+    """A recipe path as given (``elasticfw:NAME`` for a shipped recipe)."""
+    text = str(path)
+    return _shipped(text, "recipe path") if text.startswith(SHIPPED_PREFIX) else Path(path)
 
 
 class _Bases:
@@ -140,11 +247,8 @@ def _load_with_bases(
         )
     merged: dict[str, Any] = {}
     for base in bases:
-        base_path = resolved.parent / base
-        base_missing = (
-            f"recipe {str(resolved)!r}: `base` file {shown(base)} does not exist; base paths are relative to the "
-            f"folder of the file that names them, so it was looked for at {os.path.abspath(base_path)!r}"
-        )
+        base_path = _find_base(base, resolved)
+        base_missing = f"recipe {str(resolved)!r}: `base` file {shown(base, PATH_CHARS)} was found at {str(base_path)!r} but is gone"
         base_what = f"base file {str(base_path)!r} (named by `base:` in {str(resolved)!r})"
         loaded = _load_with_bases(base_path, (*chain, resolved), base_what, base_missing, bases_seen)
         merged = merge_sections(merged, loaded)
@@ -378,14 +482,35 @@ def load_recipe_dict(
 
     ``defaults`` (the schema's default recipe) lie underneath the file, as if they were its first
     base: overrides and ``${...}`` interpolations see them (``${model.name}`` works in a recipe
-    that does not name its model).
+    that does not name its model). ``path`` may be ``elasticfw:NAME``, a recipe shipped with
+    elasticfw.
     """
+    return _merge(path, overrides, data=data, defaults=defaults, interpolate=True)
+
+
+def resolve_recipe_bases(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """A recipe file with its ``base:`` files merged in and ``overrides`` applied, as plain data: a
+    self-contained recipe that loads to the same validated recipe wherever it is copied.
+
+    Nothing else changes: ``${...}`` interpolations stay as written (they resolve when the result
+    is loaded) and the schema's defaults are not filled in. ``elasticfw recipe resolve`` writes it."""
+    return _merge(path, overrides, data=None, defaults=None, interpolate=False)
+
+
+def _merge(
+    path: str | Path | None,
+    overrides: list[str] | tuple[str, ...],
+    *,
+    data: dict | None,
+    defaults: dict[str, Any] | None,
+    interpolate: bool,
+) -> dict[str, Any]:
     if (path is None) == (data is None):
         raise RecipeError("give exactly one of a recipe path or recipe data")
     source = str(path) if path is not None else "<data>"
     try:
         if path is not None:
-            raw = _load_with_bases(Path(path), (), f"recipe {source!r}", None, _Bases())
+            raw = _load_with_bases(recipe_path(path), (), f"recipe {source!r}", None, _Bases())
         else:
             raw = dict(data or {})
         # bounds the merged files (or in-memory data, which no YAML reader checked) before OmegaConf
@@ -398,6 +523,8 @@ def load_recipe_dict(
         unresolved = OmegaConf.to_container(cfg, resolve=False)
         assert isinstance(unresolved, dict)
         _check_interpolations(unresolved, source)
+        if not interpolate:
+            return unresolved  # type: ignore[return-value]
         resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as exc:
         bad_key = getattr(exc, "full_key", None) or getattr(exc, "key", None)

@@ -116,6 +116,16 @@ def _base_elastic_fields(registry: Registry) -> dict[str, Any]:
                 "under every mode). Off: those layers run their native windowed attention.",
             ),
         ),
+        "kv_cache": (
+            Literal["full", "compact"],
+            Field(
+                "full",
+                description="KV cache of `generate`. `full`: every head keeps every key (transformers' dynamic "
+                "cache). `compact`: after the prefill, heads routed to a mode that declares what it reads at "
+                "decode (streaming: sink + local window) keep only that; greedy output is unchanged. Beam "
+                "search and assisted decoding need `full`.",
+            ),
+        ),
     }
 
 

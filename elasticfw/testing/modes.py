@@ -26,13 +26,34 @@ the default (:data:`SCALES`), so an executor that ignores or re-derives ``scale`
 
 To test several configurations of one mode (e.g. a granularity switch, an optional branch),
 subclass once per configuration with its own ``small_config``.
+
+**Causality levels.** Every mode is causal in its *mask*: no query ever reads a key after its own
+position (the executors enforce ``key <= position``). What differs is what the *selection* may
+look at. A test class declares its mode's level in ``causality``; ``test_causality`` checks that
+level by changing every query, key and value from a cut position on and comparing the outputs
+before the cut:
+
+* ``"token"`` (strict): a row's output depends on no token after it, selection included
+  (streaming, per-token MoBA and NSA). Cut at a token; outputs before it must not change.
+* ``"block"``: a row's output depends on no token after the end of its own query block (the
+  selection scores the whole block: XAttention, block-granular MoBA and NSA). Cut at the next
+  block's first position.
+* ``"prompt"``: the selection may depend on the whole prompt (estimators that use the last
+  queries, e.g. MInference's vertical-slash), so earlier outputs *may* change when later tokens
+  change; what such a mode guarantees is that, for a given selection, a row reads nothing after
+  its position. Checked with the layout fixed: for the layouts the mode builds from the original
+  and from the changed inputs alike, running both inputs through the same layout (and the mode's
+  side branch) must give the same outputs before the cut.
+
+Stricter levels imply the weaker checks. ``causality`` left at ``None`` follows the older
+switch ``token_causal`` (``True``: ``"token"``, ``False``: ``"block"``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import pytest
 import torch
@@ -57,6 +78,8 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 #: so the input dtype hardly matters: measured ~1e-6 for sdpa/flex on CPU and for the compiled
 #: flex kernel in bf16 on an H200 (results/flex_check_h200.json)
 LSE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-3, torch.float16: 1e-3}
+#: the causality levels a test class may declare (module docstring), strictest first
+CAUSALITY_LEVELS: tuple[str, ...] = ("token", "block", "prompt")
 #: attention scales the output checks run with, as functions of head_dim: the default and two
 #: that are not (one below it, one above)
 SCALES: dict[str, Callable[[int], float]] = {
@@ -149,8 +172,11 @@ class ModeConformance:
     mode_name: ClassVar[str]
     small_config: ClassVar[dict[str, Any]] = {}
     dense_config: ClassVar[dict[str, Any] | None] = None
-    #: output of row t depends on no token after t (token-exact modes); otherwise on no
-    #: token after the end of t's block (block-level estimators such as XAttention)
+    #: what a row's output may depend on (see "Causality levels" in the module docstring):
+    #: ``"token"``, ``"block"`` or ``"prompt"``; ``None`` follows ``token_causal``
+    causality: ClassVar[Literal["token", "block", "prompt"] | None] = None
+    #: the older switch, used when ``causality`` is None: output of row t depends on no token
+    #: after t (``"token"``); otherwise on no token after the end of t's block (``"block"``)
     token_causal: ClassVar[bool] = False
     token_reference: ClassVar[Callable[..., torch.Tensor] | None] = None
     #: modes with a side branch (merged by log-sum-exp): ``(q, k, v, seq, config) -> (k_extra,
@@ -212,15 +238,28 @@ class ModeConformance:
             assert lse_err < 1e-4, f"scale {name}: reference log-sum-exp differs from the definition by {lse_err:.2e}"
 
     # -- causality ----------------------------------------------------------------------------
+    def causality_level(self) -> str:
+        """The declared level: ``causality``, or ``token_causal`` translated when it is None."""
+        level = type(self).causality
+        if level is None:
+            return "token" if self.token_causal else "block"
+        if level not in CAUSALITY_LEVELS:
+            raise ValueError(
+                f"{type(self).__name__}.causality must be one of {', '.join(map(repr, CAUSALITY_LEVELS))}, "
+                f"got {level!r}"
+            )
+        return level
+
     @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[2]])
     def test_causality(self, shape):
+        level = self.causality_level()
         mode = self.mode()
         q, k, v, seq = make_inputs(shape)
         bs = mode.block_size
         sq, sk = q.shape[2], k.shape[2]
         offset = sk - sq  # position of row 0 (no padding in these shapes)
         cut_pos = offset + sq // 2
-        if not self.token_causal:
+        if level == "block":
             cut_pos = (cut_pos // bs + 1) * bs  # first position of the next block
         if cut_pos >= sk:
             pytest.skip("shape too short for this block size")
@@ -231,9 +270,26 @@ class ModeConformance:
         v2[:, :, cut_pos:] = torch.randn(v2[:, :, cut_pos:].shape, generator=g)
         ex = reference_executor()
         scale = q.shape[-1] ** -0.5
-        a = mode.attend(q, k, v, seq, ex, scale=scale).out[:, :, : cut_pos - offset]
-        b = mode.attend(q2, k2, v2, seq, ex, scale=scale).out[:, :, : cut_pos - offset]
-        assert torch.allclose(a, b, atol=1e-6), "outputs before the cut changed when only later tokens changed"
+        before = slice(0, cut_pos - offset)
+        if level != "prompt":
+            a = mode.attend(q, k, v, seq, ex, scale=scale).out[:, :, before]
+            b = mode.attend(q2, k2, v2, seq, ex, scale=scale).out[:, :, before]
+            assert torch.allclose(a, b, atol=1e-6), (
+                f"causality {level!r}: outputs before the cut changed when only later tokens changed"
+            )
+            return
+        with torch.no_grad():
+            layouts = {
+                "original": mode.build_layout(q, k, seq, scale=scale),
+                "changed": mode.build_layout(q2, k2, seq, scale=scale),
+            }
+        for name, layout in layouts.items():
+            a = mode.attend(q, k, v, seq, ex, scale=scale, layout=layout).out[:, :, before]
+            b = mode.attend(q2, k2, v2, seq, ex, scale=scale, layout=layout).out[:, :, before]
+            assert torch.allclose(a, b, atol=1e-6), (
+                f"causality 'prompt': with the layout selected from the {name} inputs, outputs before the cut "
+                "changed when only later tokens changed (a row read a key after its position)"
+            )
 
     # -- padding --------------------------------------------------------------------------------
     def test_padding_invariance(self):

@@ -84,6 +84,8 @@ from pydantic import Field, model_validator
 
 from elasticfw.attention.layout import BlockLayout, block_grid
 from elasticfw.attention.mode import AttentionMode, AttentionOutput, ModeConfig
+from elasticfw.attention.pattern_layouts import tile_union
+from elasticfw.attention.patterns import topk_select
 from elasticfw.attention.seq import SeqInfo
 
 
@@ -190,18 +192,11 @@ def top_n_blocks(importance: torch.Tensor, current: torch.Tensor, cfg: NSAConfig
     """(..., X, NKB) bool: for each of ``X`` query blocks or query tokens whose position block is
     ``current`` (broadcastable to (..., X, 1)), the causal blocks ``j <= current``: the
     ``init_blocks`` first and the ``local_blocks`` last, then the most important other causal blocks
-    up to ``top_n`` in all (ties: the lower block; a stable descending sort keeps index order)."""
+    up to ``top_n`` in all (ties: the lower block), by :func:`~elasticfw.attention.patterns.topk_select`."""
     k_blocks = torch.arange(importance.shape[-1], device=importance.device)
     causal = k_blocks <= current
     forced = causal & ((k_blocks < cfg.init_blocks) | (k_blocks > current - cfg.local_blocks))
-    candidate = causal & ~forced
-    budget = cfg.top_n - forced.sum(-1, keepdim=True)  # >= 0 by the config check
-    score = importance.masked_fill(~candidate, -math.inf)
-    order = torch.sort(score, dim=-1, descending=True, stable=True).indices
-    ranks = torch.empty_like(order)
-    ar = torch.arange(order.shape[-1], device=order.device).expand_as(order)
-    ranks.scatter_(-1, order, ar)
-    return forced | (candidate & (ranks < budget))
+    return topk_select(importance, cfg.top_n, candidates=causal, forced=forced)
 
 
 def window_blocks(seq: SeqInfo, bs: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,31 +207,6 @@ def window_blocks(seq: SeqInfo, bs: int, window: int) -> tuple[torch.Tensor, tor
     reach = ((k_blocks * bs + bs - 1) > q_blocks * bs - window) & (k_blocks <= q_blocks)
     inside = (k_blocks * bs) > (q_blocks * bs + bs - 1 - window)
     return reach, inside
-
-
-def tile_union(
-    selected: torch.Tensor, seq: SeqInfo, bs: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row selections (B, H, Sq, NKB) -> per layout tile (B, H, NQB, NKB): the blocks any real row
-    selects, the blocks every real row selects, and (B, NQB) whether the tile has a real row."""
-    batch, heads, sq, nkb = selected.shape
-    nqb = seq.num_query_blocks(bs)
-    real = seq.query_valid()  # (B, Sq)
-    union = torch.zeros(batch, heads, nqb, nkb, dtype=torch.bool, device=selected.device)
-    common = torch.zeros_like(union)
-    occupied = torch.zeros(batch, nqb, dtype=torch.bool, device=selected.device)
-    for b, off in enumerate((seq.q_start % bs).tolist()):
-        rows = real[b, None, :, None]
-        any_rows = torch.zeros(heads, nqb * bs, nkb, dtype=torch.bool, device=selected.device)
-        any_rows[:, off : off + sq] = selected[b] & rows
-        all_rows = torch.ones_like(any_rows)
-        all_rows[:, off : off + sq] = selected[b] | ~rows
-        has_row = torch.zeros(nqb * bs, dtype=torch.bool, device=selected.device)
-        has_row[off : off + sq] = real[b]
-        occupied[b] = has_row.view(nqb, bs).any(1)
-        union[b] = any_rows.view(heads, nqb, bs, nkb).any(2)
-        common[b] = all_rows.view(heads, nqb, bs, nkb).all(2) & occupied[b, None, :, None]
-    return union, common, occupied
 
 
 class NSAAttention(AttentionMode):

@@ -13,6 +13,9 @@ Two semantics:
   block size.
 * ``granularity: token`` (DuoAttention's ``generate_streaming_mask``): key ``j`` is visible to
   position ``p`` iff ``j <= p`` and (``j < sink`` or ``j > p - local``).
+
+At decode a streaming head reads its sink and its window only, so it declares them
+(:meth:`StreamingAttention.decode_keep`) and a compact KV cache keeps nothing else for it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 from pydantic import Field, model_validator
 
 from elasticfw.attention.layout import BlockLayout, block_grid
-from elasticfw.attention.mode import AttentionMode, ModeConfig
+from elasticfw.attention.mode import AttentionMode, DecodeKeep, ModeConfig
 from elasticfw.attention.seq import SeqInfo
 
 
@@ -79,3 +82,16 @@ class StreamingAttention(AttentionMode):
             return (kv_pos < sink_tokens) | (kv_pos > q_pos - local_tokens)
 
         return BlockLayout(blocks[:, None], bs, token_mask, partial[:, None])
+
+    def decode_keep(self) -> DecodeKeep:
+        """Sink + window, exactly what :meth:`build_layout` reads at a decode position ``p``.
+
+        Token granularity: ``j < sink`` or ``j > p - local``, a window of ``local`` tokens. Block
+        granularity: key blocks ``[0, sink/bs)`` and ``[p//bs + 1 - local/bs, p//bs]``, i.e.
+        ``j < sink`` or ``j >= (p//bs + 1)*bs - local`` — between ``local - bs + 1`` and ``local``
+        window tokens depending on where ``p`` sits in its block, so the window is declared with
+        ``granularity = block_size`` (``sink`` and ``local`` are block multiples there).
+        """
+        cfg = self.config
+        granularity = cfg.block_size if cfg.granularity == "block" else 1
+        return DecodeKeep(cfg.sink_tokens, cfg.local_tokens, granularity)

@@ -60,7 +60,6 @@ cost less. The result does not depend on ``chunk_size``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Literal
 
 import torch
@@ -68,7 +67,16 @@ from pydantic import Field, field_validator, model_validator
 
 from elasticfw.attention.layout import BlockLayout, causal_layout
 from elasticfw.attention.mode import AttentionMode, ModeConfig
+from elasticfw.attention.patterns import (
+    antidiagonal_mass,
+    antidiagonal_scores,
+    iter_antidiagonal_mass,
+    reduce_groups,
+    threshold_select,
+)
 from elasticfw.attention.seq import SeqInfo
+
+__all__ = ["XAttention", "XAttentionConfig", "antidiagonal_scores", "block_mass", "select_blocks"]
 
 
 class XAttentionConfig(ModeConfig):
@@ -124,141 +132,26 @@ class XAttentionConfig(ModeConfig):
 
 
 # ---------------------------------------------------------------------------------------
-# Estimation
+# Estimation and selection: the public building blocks (elasticfw.attention.patterns)
 # ---------------------------------------------------------------------------------------
 
-
-def antidiagonal_scores(q: torch.Tensor, k: torch.Tensor, stride: int) -> torch.Tensor:
-    """Raw antidiagonal sums ``A[m, n] = sum_i q[m*S + i] . k[n*S + S-1-i]`` in float32.
-
-    ``q`` (B, Hq, Rq, D) and ``k`` (B, Hkv, Rk, D) with ``Rq``, ``Rk`` multiples of ``stride`` and
-    ``Hq`` a multiple of ``Hkv`` (query head ``h`` reads KV head ``h // (Hq // Hkv)``); returns
-    (B, Hq, Rq/S, Rk/S). One matmul: queries reversed within each stride tile and concatenated,
-    keys concatenated, so the concatenated dot product walks the tile's antidiagonal.
-    """
-    batch, hq, rq, dim = q.shape
-    hkv, rk = k.shape[1], k.shape[2]
-    if rq % stride or rk % stride:
-        raise ValueError(f"antidiagonal_scores: lengths {rq}, {rk} must be multiples of stride {stride}")
-    group = hq // hkv
-    qr = q.float().reshape(batch, hq, rq // stride, stride, dim).flip(3)
-    qr = qr.reshape(batch, hkv, group * (rq // stride), stride * dim)
-    kr = k.float().reshape(batch, hkv, rk // stride, stride * dim)
-    return torch.matmul(qr, kr.transpose(-1, -2)).view(batch, hq, rq // stride, rk // stride)
-
-
-def _keys_on_grid(k: torch.Tensor, seq: SeqInfo, block_size: int) -> torch.Tensor:
-    """float32 keys padded to whole blocks, zero past each sample's ``kv_len``."""
-    cap = seq.num_key_blocks(block_size) * block_size
-    kf = torch.nn.functional.pad(k.float(), (0, 0, 0, cap - k.shape[2]))
-    valid = torch.arange(cap, device=k.device)[None, :] < seq.kv_len[:, None]
-    return torch.where(valid[:, None, :, None], kf, torch.zeros((), device=k.device))
-
-
-def iter_block_mass(
-    q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, *, block_size: int, stride: int, chunk_size: int,
-    scale: float | None = None,
-) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """Yield ``(t0, t1, mass)`` for layout rows ``[t0, t1)``: mass (B, Hq, t1-t0, NKB) float32.
-
-    ``mass[b, h, t, N]`` is the estimated attention probability the real strided rows of
-    position block ``seq.q_block_start(bs)[b] + t`` put on key block ``N`` (module docstring).
-    """
-    seq.check(q, k)
-    bs, s = block_size, stride
-    if bs % s:
-        raise ValueError(f"block_size={bs} must be a multiple of stride={s}")
-    batch, hq, _, dim = q.shape
-    nqb, nkb = seq.num_query_blocks(bs), seq.num_key_blocks(bs)
-    rows_per_chunk = max(1, chunk_size // bs)
-    keys = _keys_on_grid(k, seq, bs)
-    qbs = seq.q_block_start(bs)  # (B,)
-    scale = (scale if scale is not None else 1.0 / math.sqrt(dim)) / s  # the call's scale, over the stride
-    dev = q.device
-    for t0 in range(0, nqb, rows_per_chunk):
-        t1 = min(nqb, t0 + rows_per_chunk)
-        n_rows = (t1 - t0) * bs
-        # absolute positions of the chunk's grid rows, per sample
-        pos = (qbs[:, None] + t0) * bs + torch.arange(n_rows, device=dev)[None, :]  # (B, R)
-        idx = pos - seq.q_start[:, None]
-        valid = (idx >= 0) & (idx < seq.q_len) & (pos < seq.kv_len[:, None])
-        if seq.q_len:
-            gather = idx.clamp(0, seq.q_len - 1)[:, None, :, None].expand(batch, hq, n_rows, dim)
-            qc = torch.where(
-                valid[:, None, :, None], torch.gather(q, 2, gather).float(), torch.zeros((), device=dev)
-            )
-        else:
-            qc = torch.zeros(batch, hq, n_rows, dim, device=dev)
-        # keys beyond the chunk's last causal block are never needed
-        kb_end = int(min(nkb, int((qbs + t1).max().item()))) if batch else 0
-        kb_end = max(kb_end, 1)
-        scores = antidiagonal_scores(qc, keys[:, :, : kb_end * bs], s)  # (B, Hq, R/S, K/S)
-        scores.mul_(scale)
-        m_abs = pos[:, ::s] // s  # (B, R/S) strided row index
-        n_idx = torch.arange(kb_end * bs // s, device=dev)
-        future = n_idx[None, None, :] > m_abs[:, :, None]  # (B, R/S, K/S)
-        scores.masked_fill_(future[:, None], -math.inf)
-        # in-place softmax over strided keys (n = 0 is never masked, so no row is empty)
-        scores.sub_(scores.amax(-1, keepdim=True)).exp_()
-        scores.div_(scores.sum(-1, keepdim=True))
-        row_real = valid.view(batch, n_rows // s, s).any(-1)  # (B, R/S)
-        scores.mul_(row_real[:, None, :, None])
-        g = bs // s
-        mass = scores.view(batch, hq, t1 - t0, g, kb_end, g).sum(dim=(3, 5))
-        del scores
-        if kb_end < nkb:
-            mass = torch.nn.functional.pad(mass, (0, nkb - kb_end))
-        yield t0, t1, mass
-
-
-def block_mass(
-    q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, *, block_size: int, stride: int, chunk_size: int = 16384,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """(B, Hq, NQB, NKB) float32 estimated mass of every layout row (analysis and tests)."""
-    parts = [
-        m
-        for _, _, m in iter_block_mass(q, k, seq, block_size=block_size, stride=stride, chunk_size=chunk_size,
-                                       scale=scale)
-    ]
-    if not parts:
-        return q.new_zeros(q.shape[0], q.shape[1], 0, seq.num_key_blocks(block_size), dtype=torch.float32)
-    return torch.cat(parts, dim=2)
-
-
-# ---------------------------------------------------------------------------------------
-# Selection
-# ---------------------------------------------------------------------------------------
+#: the estimate (module docstring), public as :func:`elasticfw.attention.patterns.antidiagonal_mass`
+block_mass = antidiagonal_mass
 
 
 def select_blocks(mass: torch.Tensor, row_block: torch.Tensor, threshold: float) -> torch.Tensor:
     """Threshold selection: bool like ``mass`` (B, H, T, NKB); ``row_block`` (B, T) absolute position block.
 
-    Keeps key block 0 and the diagonal, then the other causal blocks in descending mass (stable:
-    lower index first on ties) while the cumulative kept mass *before* adding a block is below
+    :func:`~elasticfw.attention.patterns.threshold_select` over the causal blocks (``<= row_block``)
+    with key block 0 and the diagonal forced: the other causal blocks in descending mass (ties:
+    lower index first) while the cumulative kept mass *before* adding a block is below
     ``threshold * row_total`` (the crossing block is kept). ``threshold >= 1`` keeps every causal
     block.
     """
-    nkb = mass.shape[-1]
-    kb = torch.arange(nkb, device=mass.device)
+    kb = torch.arange(mass.shape[-1], device=mass.device)
     diag = row_block[:, None, :, None]
     causal = kb <= diag  # (B, 1, T, NKB)
-    if threshold >= 1.0:
-        return causal.expand(mass.shape).clone()
-    forced = causal & ((kb == 0) | (kb == diag))
-    mass = torch.where(causal, mass, torch.zeros((), device=mass.device))
-    total = mass.sum(-1, keepdim=True)
-    forced_mass = torch.where(forced, mass, torch.zeros((), device=mass.device)).sum(-1, keepdim=True)
-    candidate = (causal & ~forced).expand(mass.shape)
-    # probabilities are >= 0, so -1 sorts non-candidates last
-    values = torch.where(candidate, mass, torch.full((), -1.0, device=mass.device))
-    sorted_values, order = torch.sort(values, dim=-1, descending=True, stable=True)
-    sorted_candidate = candidate.gather(-1, order)
-    contrib = torch.where(sorted_candidate, sorted_values, torch.zeros((), device=mass.device))
-    before = torch.cat([forced_mass, contrib[..., :-1]], dim=-1).cumsum(-1)
-    take = sorted_candidate & (before < threshold * total)
-    chosen = torch.zeros_like(take).scatter_(-1, order, take)
-    return chosen | forced
+    return threshold_select(mass, threshold, allowed=causal, forced=(kb == 0) | (kb == diag))
 
 
 class XAttention(AttentionMode):
@@ -278,17 +171,16 @@ class XAttention(AttentionMode):
             return causal_layout(seq, bs)
         batch, hq = q.shape[:2]
         hkv = k.shape[1]
-        group = hq // hkv
         by_group = cfg.head_aggregation == "kv_group"
         heads = hkv if by_group else hq
         nqb, nkb = seq.num_query_blocks(bs), seq.num_key_blocks(bs)
         blocks = torch.zeros(batch, heads, nqb, nkb, dtype=torch.bool, device=q.device)
         qbs = seq.q_block_start(bs)
-        for t0, t1, mass in iter_block_mass(
+        for t0, t1, mass in iter_antidiagonal_mass(
             q, k, seq, block_size=bs, stride=cfg.stride, chunk_size=cfg.chunk_size, scale=scale
         ):
             if by_group:
-                mass = mass.view(batch, hkv, group, t1 - t0, nkb).sum(2)
+                mass = reduce_groups(mass, hkv, "sum")
             row_block = qbs[:, None] + torch.arange(t0, t1, device=q.device)[None, :]
             blocks[:, :, t0:t1] = select_blocks(mass, row_block, cfg.threshold)
         return BlockLayout(blocks, bs)

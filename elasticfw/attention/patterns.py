@@ -1,0 +1,486 @@
+"""Building blocks of data-dependent modes: estimate where attention goes, then select.
+
+A data-dependent mode (XAttention, MoBA, MInference's vertical-slash, ...) does three things in
+:meth:`~elasticfw.attention.mode.AttentionMode.build_layout`: it *estimates* which keys matter
+from ``q`` and ``k``, *selects* key blocks, key columns or diagonals from that estimate, and
+*converts* the selection into a :class:`~elasticfw.attention.layout.BlockLayout`. This module
+holds the first two steps, :mod:`elasticfw.attention.pattern_layouts` the third. The built-in
+``xattention`` and ``moba`` modes are written with them; so is the tutorial's vertical-slash
+example (``docs/tutorials/write-a-data-dependent-mode.md``).
+
+Everything here works in canonical coordinates (:mod:`elasticfw.attention.seq`): keys are
+start-aligned, query row ``i`` of sample ``b`` sits at position ``seq.q_start[b] + i``, rows at or
+past ``seq.kv_len[b]`` are padding. Estimators compute in float32 whatever the input dtype, mask
+causality (key ``j`` reaches the query at position ``p`` iff ``j <= p``) and padding (keys
+``>= kv_len``, padding query rows), take the call's attention ``scale`` (``None``:
+``head_dim ** -0.5``), and give query head ``h`` the keys of KV head ``h // (Hq // Hkv)``.
+
+**Estimators**
+
+* :func:`last_query_attention` — the attention probabilities of each sample's last ``n`` real
+  queries over all keys (MInference's estimate), per query head or shared by a GQA group
+  (:func:`reduce_groups`: sum, mean or max over the group's query heads).
+* :func:`column_mass` / :func:`diagonal_mass` — those probabilities summed per key column
+  (vertical lines) and per diagonal ``offset = position - key`` (slash lines).
+* :func:`antidiagonal_scores`, :func:`iter_antidiagonal_mass`, :func:`antidiagonal_mass` —
+  XAttention's strided antidiagonal estimate of the attention mass per (query block, key block).
+* :func:`mean_pool_keys` / :func:`gate_scores` — MoBA's gate: each query against the mean of a
+  key block's real keys.
+* :func:`query_grid` / :func:`pool_tiles` — lay query rows (or per-row values) on the layout's
+  tiles and pool them per tile (sum, mean, max, any, all over the tile's real rows).
+* :func:`pool_blocks` — pool a score matrix into (row block, column block) cells (sum, mean,
+  max, over an optional validity mask).
+
+**Selectors** (per row: the last dimension is what is selected from)
+
+* :func:`topk_select` — ``forced`` entries plus the best other ``candidates`` up to ``k`` in all
+  (forced entries count toward ``k`` and are kept even beyond it).
+* :func:`threshold_select` — ``forced`` entries plus the best other ``allowed`` entries while the
+  kept mass is below ``threshold`` times the row's total (the crossing entry is kept).
+
+Both break ties deterministically: among equal scores the **lower index wins** (a stable
+descending sort), whatever the device. Scores must not be NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from elasticfw.attention.seq import SeqInfo
+
+GroupReduce = Literal["sum", "mean", "max"]
+TileReduce = Literal["sum", "mean", "max", "any", "all"]
+BlockReduce = Literal["sum", "mean", "max"]
+
+
+def _scale(scale: float | None, head_dim: int) -> float:
+    return scale if scale is not None else 1.0 / math.sqrt(head_dim)
+
+
+def _check_group(num_query_heads: int, num_kv_heads: int, where: str) -> int:
+    if num_kv_heads <= 0 or num_query_heads % num_kv_heads:
+        raise ValueError(
+            f"{where}: {num_query_heads} query heads are not a whole number of GQA groups of "
+            f"{num_kv_heads} KV heads (expected query heads = a multiple of KV heads)"
+        )
+    return num_query_heads // num_kv_heads
+
+
+# ---------------------------------------------------------------------------------------
+# Heads
+# ---------------------------------------------------------------------------------------
+
+
+def reduce_groups(x: torch.Tensor, num_kv_heads: int, reduce: GroupReduce) -> torch.Tensor:
+    """(B, Hq, ...) -> (B, Hkv, ...): ``reduce`` over the query heads of each GQA group.
+
+    Query head ``h`` belongs to KV head ``h // (Hq // Hkv)`` (transformers' ``repeat_kv``)."""
+    batch, hq = x.shape[:2]
+    group = _check_group(hq, num_kv_heads, "reduce_groups")
+    grouped = x.view(batch, num_kv_heads, group, *x.shape[2:])
+    if reduce == "sum":
+        return grouped.sum(2)
+    if reduce == "mean":
+        return grouped.mean(2)
+    if reduce == "max":
+        return grouped.amax(2)
+    raise ValueError(f"reduce_groups: reduce must be 'sum', 'mean' or 'max', got {reduce!r}")
+
+
+# ---------------------------------------------------------------------------------------
+# Query rows on the layout's tiles
+# ---------------------------------------------------------------------------------------
+
+
+def query_grid(
+    x: torch.Tensor, seq: SeqInfo, block_size: int, rows: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lay per-query-row values on the layout's tiles.
+
+    ``x`` is (B, H, Sq, ...) (query rows on dim 2: ``q`` itself, per-row scores or selections).
+    Returns ``(grid, valid)``: ``grid`` (B, H, R, ...) with ``R = (t1 - t0) * block_size`` for
+    layout rows ``rows = (t0, t1)`` (default: all ``seq.num_query_blocks(block_size)``), where grid
+    row ``r`` of sample ``b`` is position ``(seq.q_block_start(block_size)[b] + t0) * block_size + r``;
+    and ``valid`` (B, R) bool, the grid rows holding a real query of the sample. Grid rows without
+    one are zero (``False`` for bool ``x``).
+    """
+    bs = block_size
+    t0, t1 = rows if rows is not None else (0, seq.num_query_blocks(bs))
+    batch, heads = x.shape[:2]
+    rest = x.shape[3:]
+    n_rows = (t1 - t0) * bs
+    dev = x.device
+    pos = (seq.q_block_start(bs)[:, None] + t0) * bs + torch.arange(n_rows, device=dev)[None, :]  # (B, R)
+    idx = pos - seq.q_start[:, None]
+    valid = (idx >= 0) & (idx < seq.q_len) & (pos < seq.kv_len[:, None])
+    if seq.q_len == 0:
+        return x.new_zeros(batch, heads, n_rows, *rest), valid
+    shape = (batch, heads, n_rows, *rest)
+    gather = idx.clamp(0, seq.q_len - 1).view(batch, 1, n_rows, *([1] * len(rest))).expand(shape)
+    keep = valid.view(batch, 1, n_rows, *([1] * len(rest)))
+    return torch.where(keep, torch.gather(x, 2, gather), torch.zeros((), dtype=x.dtype, device=dev)), valid
+
+
+def pool_tiles(grid: torch.Tensor, valid: torch.Tensor, block_size: int, reduce: TileReduce) -> torch.Tensor:
+    """(B, H, NQB * bs, ...) from :func:`query_grid` -> (B, H, NQB, ...): ``reduce`` over each tile's
+    real rows. ``sum``/``mean``/``max`` for numbers (a tile without a real row gives 0 for sum and
+    mean, ``-inf`` for max); ``any``/``all`` for bools (a tile without a real row gives ``False``
+    for both)."""
+    batch, heads, n_rows = grid.shape[:3]
+    rest = grid.shape[3:]
+    if n_rows % block_size:
+        raise ValueError(f"pool_tiles: {n_rows} grid rows are not whole tiles of block_size {block_size}")
+    nqb = n_rows // block_size
+    keep = valid.view(batch, 1, n_rows, *([1] * len(rest)))
+    tiles = (batch, heads, nqb, block_size, *rest)
+    occupied = valid.view(batch, nqb, block_size).any(-1).view(batch, 1, nqb, *([1] * len(rest)))
+    if reduce in ("any", "all"):
+        if grid.dtype != torch.bool:
+            raise ValueError(f"pool_tiles: reduce {reduce!r} needs a bool grid, got {grid.dtype}")
+        if reduce == "any":
+            return (grid & keep).view(tiles).any(3)
+        return (grid | ~keep).view(tiles).all(3) & occupied
+    zero = torch.zeros((), dtype=grid.dtype, device=grid.device)
+    if reduce == "sum":
+        return torch.where(keep, grid, zero).view(tiles).sum(3)
+    if reduce == "mean":
+        counts = valid.to(grid.dtype).view(batch, nqb, block_size).sum(-1).clamp_min(1)
+        return torch.where(keep, grid, zero).view(tiles).sum(3) / counts.view(batch, 1, nqb, *([1] * len(rest)))
+    if reduce == "max":
+        low = torch.full((), -math.inf, dtype=grid.dtype, device=grid.device)
+        return torch.where(keep, grid, low).view(tiles).amax(3)
+    raise ValueError(f"pool_tiles: reduce must be one of sum, mean, max, any, all; got {reduce!r}")
+
+
+def pool_blocks(
+    x: torch.Tensor, block: tuple[int, int], reduce: BlockReduce, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(..., R, C) -> (..., ceil(R/r), ceil(C/c)): ``reduce`` over each ``r x c`` cell.
+
+    ``block = (r, c)``. ``valid`` (bool, broadcastable to ``x``) excludes entries: they count as 0
+    for ``sum``, are not counted by ``mean`` (the mean of a cell's valid entries, 0 if none) and
+    never win ``max`` (``-inf`` if none). Edges that are not whole cells are padded with excluded
+    entries. Use it on probabilities (mass per block) or on logits (a block's best score)."""
+    r, c = block
+    if r <= 0 or c <= 0:
+        raise ValueError(f"pool_blocks: block must be two positive sizes, got {block}")
+    rows, cols = x.shape[-2], x.shape[-1]
+    pad_r, pad_c = -rows % r, -cols % c
+    ok = None
+    if valid is not None or pad_r or pad_c:
+        ok = torch.ones((), dtype=torch.bool, device=x.device) if valid is None else valid
+        ok = torch.nn.functional.pad(ok.expand(x.shape), (0, pad_c, 0, pad_r), value=False)
+        x = torch.nn.functional.pad(x, (0, pad_c, 0, pad_r))
+    cells = (*x.shape[:-2], x.shape[-2] // r, r, x.shape[-1] // c, c)
+    if reduce == "max":
+        low = torch.full((), -math.inf, dtype=x.dtype, device=x.device)
+        return (x if ok is None else torch.where(ok, x, low)).view(cells).amax(dim=(-3, -1))
+    if reduce not in ("sum", "mean"):
+        raise ValueError(f"pool_blocks: reduce must be 'sum', 'mean' or 'max', got {reduce!r}")
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    total = (x if ok is None else torch.where(ok, x, zero)).view(cells).sum(dim=(-3, -1))
+    if reduce == "sum":
+        return total
+    count = float(r * c) if ok is None else ok.to(x.dtype).view(cells).sum(dim=(-3, -1)).clamp_min(1)
+    return total / count
+
+
+# ---------------------------------------------------------------------------------------
+# Last-query estimate (vertical / slash lines)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LastQueries:
+    """The attention of each sample's last real queries (:func:`last_query_attention`).
+
+    ``probs`` (B, H, n, Sk) float32: softmax over the causal real keys of each estimating row
+    (zero rows where ``valid`` is False); ``positions`` (B, n) int64 their positions (row ``n - 1``
+    is the sample's last real query); ``valid`` (B, n) bool: the row holds a real query (a sample
+    with fewer than ``n`` real query rows has invalid leading rows).
+    """
+
+    probs: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor
+
+
+def last_query_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    seq: SeqInfo,
+    *,
+    last: int,
+    scale: float | None = None,
+    group: GroupReduce | None = "mean",
+) -> LastQueries:
+    """Attention probabilities of each sample's ``last`` final real query rows over all keys.
+
+    For sample ``b`` the estimating rows are its last ``last`` real query rows (the rows before
+    position ``kv_len[b]``, fewer if the call has fewer). Row with position ``p`` puts
+    ``softmax_j(scale * q . k_j)`` on keys ``j <= p`` (``j < kv_len[b]`` follows), in float32.
+    ``group``: ``None`` keeps one estimate per query head (``H = Hq``), otherwise the query heads
+    of a GQA group are reduced (``"mean"``, ``"max"`` or ``"sum"``) into one per KV head
+    (``H = Hkv``). Memory: B x Hq x last x Sk floats.
+    """
+    if last < 1:
+        raise ValueError(f"last_query_attention: last must be >= 1 query rows, got {last}")
+    batch, hq, sq, dim = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    groups = _check_group(hq, hkv, "last_query_attention")
+    dev = q.device
+    # real query rows of sample b are [0, n_real[b]); the estimate takes the last `last` of them
+    n_real = (seq.kv_len - seq.q_start).clamp(0, sq)  # (B,)
+    rows = n_real[:, None] - last + torch.arange(last, device=dev)[None, :]  # (B, n)
+    valid = rows >= 0
+    rows = rows.clamp_min(0)
+    positions = seq.q_start[:, None] + rows
+    if sq == 0:
+        probs = torch.zeros(batch, hq, last, sk, dtype=torch.float32, device=dev)
+    else:
+        gather = rows.clamp_max(sq - 1)[:, None, :, None].expand(batch, hq, last, dim)
+        qs = torch.gather(q, 2, gather).float().view(batch, hkv, groups, last, dim)
+        scores = torch.einsum("bkgnd,bkjd->bkgnj", qs, k.float()).reshape(batch, hq, last, sk)
+        scores = scores * _scale(scale, dim)
+        keys = torch.arange(sk, device=dev)
+        visible = (keys[None, None, :] <= positions[:, :, None]) & (keys[None, None, :] < seq.kv_len[:, None, None])
+        visible = visible & valid[:, :, None]
+        scores = scores.masked_fill(~visible[:, None], -math.inf)
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows seeing no key: all zero
+        probs = torch.where(visible[:, None], probs, torch.zeros((), device=dev))
+    if group is not None:
+        probs = reduce_groups(probs, hkv, group)
+    return LastQueries(probs, positions, valid)
+
+
+def column_mass(est: LastQueries) -> torch.Tensor:
+    """(B, H, Sk) float32: the estimate's probability on each key column, summed over its rows
+    (MInference's vertical lines)."""
+    return est.probs.sum(-2)
+
+
+def diagonal_mass(est: LastQueries) -> torch.Tensor:
+    """(B, H, Sk) float32: the estimate's probability summed along each diagonal: entry ``d`` is
+    the mass on pairs (position ``p``, key ``p - d``), ``0 <= d < Sk`` (MInference's slash lines;
+    ``d = 0`` is the main diagonal, a query's own key)."""
+    batch, heads, n, sk = est.probs.shape
+    keys = torch.arange(sk, device=est.probs.device)
+    offset = est.positions[:, :, None] - keys[None, None, :]  # (B, n, Sk)
+    causal = (offset >= 0)[:, None]
+    idx = offset.clamp(0, max(sk - 1, 0))[:, None].expand(batch, heads, n, sk).reshape(batch, heads, n * sk)
+    src = torch.where(causal, est.probs, torch.zeros((), device=est.probs.device)).reshape(batch, heads, n * sk)
+    out = torch.zeros(batch, heads, sk, dtype=est.probs.dtype, device=est.probs.device)
+    return out.scatter_add_(-1, idx, src)
+
+
+# ---------------------------------------------------------------------------------------
+# XAttention's antidiagonal estimate
+# ---------------------------------------------------------------------------------------
+
+
+def antidiagonal_scores(q: torch.Tensor, k: torch.Tensor, stride: int) -> torch.Tensor:
+    """Raw antidiagonal sums ``A[m, n] = sum_i q[m*S + i] . k[n*S + S-1-i]`` in float32.
+
+    ``q`` (B, Hq, Rq, D) and ``k`` (B, Hkv, Rk, D) with ``Rq``, ``Rk`` multiples of ``stride`` and
+    ``Hq`` a multiple of ``Hkv`` (query head ``h`` reads KV head ``h // (Hq // Hkv)``); returns
+    (B, Hq, Rq/S, Rk/S). One matmul: queries reversed within each stride tile and concatenated,
+    keys concatenated, so the concatenated dot product walks the tile's antidiagonal.
+    """
+    batch, hq, rq, dim = q.shape
+    hkv, rk = k.shape[1], k.shape[2]
+    if rq % stride or rk % stride:
+        raise ValueError(f"antidiagonal_scores: lengths {rq}, {rk} must be multiples of stride {stride}")
+    group = _check_group(hq, hkv, "antidiagonal_scores")
+    qr = q.float().reshape(batch, hq, rq // stride, stride, dim).flip(3)
+    qr = qr.reshape(batch, hkv, group * (rq // stride), stride * dim)
+    kr = k.float().reshape(batch, hkv, rk // stride, stride * dim)
+    return torch.matmul(qr, kr.transpose(-1, -2)).view(batch, hq, rq // stride, rk // stride)
+
+
+def iter_antidiagonal_mass(
+    q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, *, block_size: int, stride: int, chunk_size: int,
+    scale: float | None = None,
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Yield ``(t0, t1, mass)`` for layout rows ``[t0, t1)``: mass (B, Hq, t1-t0, NKB) float32.
+
+    XAttention's estimate (``plugins/modes/xattention.py`` states it in full): queries on the
+    position grid (:func:`query_grid`), keys zeroed past ``kv_len``, :func:`antidiagonal_scores`
+    scaled by ``scale / stride``, masked causally at strided granularity, soft-maxed over strided
+    keys, summed into (block/stride)^2 cells (:func:`pool_blocks`). ``mass[b, h, t, N]`` is the
+    probability the real strided rows of position block ``seq.q_block_start(bs)[b] + t`` put on
+    key block ``N``; a strided row counts only if it holds a real query. ``chunk_size`` query
+    positions are estimated at once (a memory bound; the result does not depend on it).
+    """
+    seq.check(q, k)
+    bs, s = block_size, stride
+    if bs % s:
+        raise ValueError(f"block_size={bs} must be a multiple of stride={s}")
+    batch = q.shape[0]
+    nqb, nkb = seq.num_query_blocks(bs), seq.num_key_blocks(bs)
+    rows_per_chunk = max(1, chunk_size // bs)
+    cap = nkb * bs
+    keys = torch.nn.functional.pad(k.float(), (0, 0, 0, cap - k.shape[2]))
+    key_ok = torch.arange(cap, device=k.device)[None, :] < seq.kv_len[:, None]
+    keys = torch.where(key_ok[:, None, :, None], keys, torch.zeros((), device=k.device))
+    qbs = seq.q_block_start(bs)  # (B,)
+    scale = _scale(scale, q.shape[-1]) / s  # the call's scale, over the stride
+    dev = q.device
+    for t0 in range(0, nqb, rows_per_chunk):
+        t1 = min(nqb, t0 + rows_per_chunk)
+        n_rows = (t1 - t0) * bs
+        qc, valid = query_grid(q.float(), seq, bs, (t0, t1))
+        # keys beyond the chunk's last causal block are never needed
+        kb_end = int(min(nkb, int((qbs + t1).max().item()))) if batch else 0
+        kb_end = max(kb_end, 1)
+        scores = antidiagonal_scores(qc, keys[:, :, : kb_end * bs], s)  # (B, Hq, R/S, K/S)
+        scores.mul_(scale)
+        pos = (qbs[:, None] + t0) * bs + torch.arange(n_rows, device=dev)[None, :]  # (B, R)
+        m_abs = pos[:, ::s] // s  # (B, R/S) strided row index
+        n_idx = torch.arange(kb_end * bs // s, device=dev)
+        future = n_idx[None, None, :] > m_abs[:, :, None]  # (B, R/S, K/S)
+        scores.masked_fill_(future[:, None], -math.inf)
+        # in-place softmax over strided keys (n = 0 is never masked, so no row is empty)
+        scores.sub_(scores.amax(-1, keepdim=True)).exp_()
+        scores.div_(scores.sum(-1, keepdim=True))
+        row_real = valid.view(batch, n_rows // s, s).any(-1)  # (B, R/S)
+        scores.mul_(row_real[:, None, :, None])
+        g = bs // s
+        mass = pool_blocks(scores, (g, g), "sum")
+        del scores
+        if kb_end < nkb:
+            mass = torch.nn.functional.pad(mass, (0, nkb - kb_end))
+        yield t0, t1, mass
+
+
+def antidiagonal_mass(
+    q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, *, block_size: int, stride: int, chunk_size: int = 16384,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """(B, Hq, NQB, NKB) float32: :func:`iter_antidiagonal_mass` for every layout row at once."""
+    parts = [
+        m
+        for _, _, m in iter_antidiagonal_mass(
+            q, k, seq, block_size=block_size, stride=stride, chunk_size=chunk_size, scale=scale
+        )
+    ]
+    if not parts:
+        return q.new_zeros(q.shape[0], q.shape[1], 0, seq.num_key_blocks(block_size), dtype=torch.float32)
+    return torch.cat(parts, dim=2)
+
+
+# ---------------------------------------------------------------------------------------
+# MoBA's gate: queries against mean-pooled key blocks
+# ---------------------------------------------------------------------------------------
+
+
+def mean_pool_keys(k: torch.Tensor, seq: SeqInfo, block: int) -> torch.Tensor:
+    """(B, Hkv, ceil(Sk/block), D) float32: the mean of each key block's real keys (keys
+    ``< kv_len``); a block without any is zero."""
+    if block <= 0:
+        raise ValueError(f"mean_pool_keys: block must be a positive number of keys, got {block}")
+    batch, hkv, sk, dim = k.shape
+    nb = math.ceil(sk / block)
+    pad = nb * block - sk
+    valid = seq.key_valid()  # (B, Sk)
+    kf = torch.where(valid[:, None, :, None], k.float(), 0.0)
+    kf = torch.nn.functional.pad(kf, (0, 0, 0, pad))
+    sums = kf.view(batch, hkv, nb, block, dim).sum(3)
+    counts = torch.nn.functional.pad(valid.float(), (0, pad)).view(batch, nb, block).sum(-1)
+    return sums / counts.clamp_min(1)[:, None, :, None]
+
+
+def gate_scores(q: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+    """(B, Hq, R, N) float32 ``q . pooled_n``: each query row (``q`` (B, Hq, R, D), any rows: tokens
+    or pooled tiles) against the pooled keys (B, Hkv, N, D) of its KV head."""
+    batch, hq, rows, dim = q.shape
+    hkv = pooled.shape[1]
+    group = _check_group(hq, hkv, "gate_scores")
+    grouped = q.float().view(batch, hkv, group, rows, dim)
+    return torch.einsum("bkgrd,bknd->bkgrn", grouped, pooled).reshape(batch, hq, rows, -1)
+
+
+# ---------------------------------------------------------------------------------------
+# Selectors
+# ---------------------------------------------------------------------------------------
+
+
+def _descending(scores: torch.Tensor, eligible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices of the last dim with the eligible entries first, by descending score, ties to the
+    lower index (two stable sorts: a score of -inf never lets an ineligible entry jump ahead);
+    returns (order, eligible in that order)."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    sorted_eligible = eligible.gather(-1, order)
+    regroup = torch.sort((~sorted_eligible).to(torch.uint8), dim=-1, stable=True).indices
+    order = order.gather(-1, regroup)
+    return order, eligible.gather(-1, order)
+
+
+def topk_select(
+    scores: torch.Tensor,
+    k: int | torch.Tensor,
+    *,
+    candidates: torch.Tensor | None = None,
+    forced: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Bool like ``scores`` (..., N): per row, the ``forced`` entries plus the best other candidates.
+
+    ``k`` (an int, or a tensor broadcastable to (..., 1)) counts the forced entries: the
+    ``max(k - #forced, 0)`` highest-scoring entries of ``candidates & ~forced`` are added, and every
+    forced entry is kept even beyond ``k``. ``candidates`` (default: all) and ``forced`` (default:
+    none) are bool, broadcastable to ``scores``. Among equal scores the lower index wins. This is
+    MoBA's rule (``forced`` = the current block), NSA's (initial + local blocks) and MInference's
+    (sink columns, local diagonals).
+    """
+    shape = scores.shape
+    forced_t = (
+        torch.zeros(shape, dtype=torch.bool, device=scores.device) if forced is None else forced.expand(shape)
+    )
+    eligible = ~forced_t if candidates is None else candidates.expand(shape) & ~forced_t
+    budget = torch.as_tensor(k, device=scores.device) - forced_t.sum(-1, keepdim=True)
+    order, sorted_eligible = _descending(scores, eligible)
+    rank = torch.arange(shape[-1], device=scores.device).expand(shape)
+    take = sorted_eligible & (rank < budget)
+    chosen = torch.zeros(shape, dtype=torch.bool, device=scores.device).scatter_(-1, order, take)
+    return chosen | forced_t
+
+
+def threshold_select(
+    scores: torch.Tensor,
+    threshold: float,
+    *,
+    allowed: torch.Tensor | None = None,
+    forced: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Bool like ``scores`` (..., N) of non-negative masses: cumulative-mass selection per row.
+
+    The row total is the mass of the ``allowed`` entries (default: all). ``forced & allowed``
+    entries are always kept; the other allowed entries are visited by descending mass (ties: the
+    lower index first) and entry ``c_j`` is kept iff ``forced_mass + sum_{i<j} mass(c_i) <
+    threshold * total``: entries are added while the kept mass is below the target, and the one
+    that crosses it is included (XAttention's rule). ``threshold >= 1`` keeps every allowed entry
+    (no rounding in a cumulative sum can drop one).
+    """
+    shape = scores.shape
+    allowed_t = torch.ones(shape, dtype=torch.bool, device=scores.device) if allowed is None else allowed.expand(shape)
+    if threshold >= 1.0:
+        return allowed_t.clone()
+    forced_t = torch.zeros_like(allowed_t) if forced is None else allowed_t & forced
+    zero = torch.zeros((), device=scores.device, dtype=scores.dtype)
+    mass = torch.where(allowed_t, scores, zero)
+    total = mass.sum(-1, keepdim=True)
+    forced_mass = torch.where(forced_t, mass, zero).sum(-1, keepdim=True)
+    candidate = allowed_t & ~forced_t
+    # masses are >= 0, so -1 sorts non-candidates last
+    values = torch.where(candidate, mass, torch.full((), -1.0, device=scores.device, dtype=scores.dtype))
+    sorted_values, order = torch.sort(values, dim=-1, descending=True, stable=True)
+    sorted_candidate = candidate.gather(-1, order)
+    contrib = torch.where(sorted_candidate, sorted_values, zero)
+    before = torch.cat([forced_mass, contrib[..., :-1]], dim=-1).cumsum(-1)
+    take = sorted_candidate & (before < threshold * total)
+    chosen = torch.zeros_like(take).scatter_(-1, order, take)
+    return chosen | forced_t

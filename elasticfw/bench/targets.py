@@ -1,0 +1,211 @@
+"""Issue 10's speed figures and their targets, computed from benchmark JSONs.
+
+    elasticfw bench targets results/bench/issue10        # writes results/bench/issue10/targets.json
+
+:func:`build_targets` is a pure function: it takes the loaded JSONs (file name -> content) of one
+run and returns one ``{"figure", "value", "target", "met", "source"}`` per figure of the issue's
+table, ``figure`` in the table's wording and ``source`` the JSON file it comes from. Each JSON is
+recognised by its content:
+
+* ``elasticfw.bench.attention`` (``"benchmark"``): the layer figures at the longest sequence
+  (128K) against ``sdpa_cudnn`` ``fwd`` of the same run. The FA-SSA and all-full layer figures
+  use the ``split`` executor's rows (``split:hybrid(full+streaming,msr=0.875)``, ``split:full``;
+  ``flex:`` rows when no ``split`` row); planning is ``layout:<mode>``; a mode's layer is its
+  layout plus its ``mode:`` row (side branch included) or else the faster of its ``split:`` and
+  ``flex:`` rows, against ``1.15 × (1 − ESR)
+  + planning target`` with the layout's mean ESR.
+* ``elasticfw.bench.prefill``: model speed-ups (``speedup``: best dense time / elastic time) of
+  the ``split`` executor on ``llama-3.1-8b`` (first model present otherwise), ``elastic:split:msr=0``
+  and ``elastic:split:fa-ssa:msr=0.875``, at 131072 and 32768 tokens.
+* ``router_overhead`` (elasticfw.bench.router): ``router_per_layer_ms`` at the longest sequence.
+* the CPU demo (``"benchmark": "demo_cpu"``, or any JSON with ``rows`` labelled ``full`` and
+  ``all-streaming`` holding ``seconds``, as ``results/demo-cpu.json``): all-streaming / full time.
+
+A figure whose JSON or row is missing (or errored) gets ``value: null`` and ``met: false``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from elasticfw.atomic import atomic_write_text
+
+LONG = 131072
+MID = 32768
+PLANNING = {"xattention": ("XAttention", 0.10), "nsa": ("NSA", 0.15), "moba": ("MoBA", 0.05)}
+MSR = 0.875
+STREAMING_HYBRID = f"hybrid(full+streaming,msr={MSR})"
+
+#: (figure, target, "<=" or ">=") in the issue's order; the mode layers follow the planning rows
+FIGURES: list[tuple[str, float, str]] = [
+    ("layer, FA-SSA (sink 128, local 2048) MSR 0.875 @128K / dense cuDNN", 0.15, "<="),
+    ("layer, all heads full (MSR 0) @128K / dense cuDNN", 1.05, "<="),
+    ("model prefill @128K, MSR 0 / dense", 0.97, ">="),
+    ("model prefill @128K, FA-SSA MSR 0.875 / dense", 2.3, ">="),
+    ("model prefill @32K, FA-SSA MSR 0.875 / dense", 1.4, ">="),
+    *[(f"{label} planning @128K / dense", target, "<=") for label, target in PLANNING.values()],
+    ("router, all layers, per layer", 0.1, "<="),
+    ("CPU (2 cores), demo at 1.4K tokens: all-streaming time / full time", 1.0, "<="),
+]
+MODE_LAYER = "xattention / moba / nsa layer @128K (plan + kernel) / dense [{mode}]"
+
+
+def _kind(data: Any) -> str | None:
+    if not isinstance(data, dict):
+        return None
+    bench = data.get("benchmark")
+    if bench in ("elasticfw.bench.attention", "elasticfw.bench.prefill", "router_overhead", "demo_cpu"):
+        return str(bench)
+    labels = {r.get("label") for r in data.get("rows", []) if isinstance(r, dict)}
+    if {"full", "all-streaming"} <= labels:
+        return "demo_cpu"
+    return None
+
+
+def _ms(rows: list[dict[str, Any]], name: str, kind: str, seq: int) -> float | None:
+    for r in rows:
+        if r.get("name") == name and r.get("kind") == kind and r.get("seq") == seq and r.get("error") is None:
+            ms = r.get("ms")
+            return float(ms) if ms is not None else None
+    return None
+
+
+def _attention(data: dict[str, Any]) -> dict[str, float | None]:
+    rows = data.get("results", [])
+    seqs = [r["seq"] for r in rows if r.get("name") == "sdpa_cudnn" and r.get("ms") is not None]
+    seq = LONG if LONG in seqs else (max(seqs) if seqs else LONG)
+    base = _ms(rows, "sdpa_cudnn", "fwd", seq)
+    out: dict[str, float | None] = {}
+
+    def ratio(ms: float | None) -> float | None:
+        return None if ms is None or base is None else ms / base
+
+    def first(*names: str) -> float | None:
+        for name in names:
+            ms = _ms(rows, name, "fwd", seq)
+            if ms is not None:
+                return ms
+        return None
+
+    out["fa_ssa_layer"] = ratio(first(f"split:{STREAMING_HYBRID}", f"flex:{STREAMING_HYBRID}"))
+    out["full_layer"] = ratio(first("split:full", "flex:full"))
+    for mode in PLANNING:
+        plan = _ms(rows, f"layout:{mode}", "layout", seq)
+        out[f"plan:{mode}"] = ratio(plan)
+        # the mode's whole attention: its mode: row (side branch included) when it has one, else the
+        # faster executor over its layout
+        whole = _ms(rows, f"mode:{mode}", "fwd", seq)
+        kernels = [m for m in (_ms(rows, f"{p}:{mode}", "fwd", seq) for p in ("split", "flex")) if m is not None]
+        kernel = whole if whole is not None else (min(kernels) if kernels else None)
+        out[f"layer:{mode}"] = ratio(plan + kernel) if plan is not None and kernel is not None else None
+        esr_row: dict[str, Any] = next((r for r in rows if r.get("name") == f"layout:{mode}" and r.get("seq") == seq), {})
+        out[f"esr:{mode}"] = esr_row.get("esr_mean")
+    return out
+
+
+def _prefill(data: dict[str, Any]) -> dict[str, float | None]:
+    rows = [r for r in data.get("results", []) if r.get("error") is None and r.get("speedup") is not None]
+    models = list(data.get("models", {}))
+    model = "llama-3.1-8b" if "llama-3.1-8b" in models else (models[0] if models else None)
+
+    def speedup(variant: str, seq: int) -> float | None:
+        for r in rows:
+            if r.get("model") == model and r.get("seq") == seq and r.get("variant") == variant:
+                return float(r["speedup"])
+        return None
+
+    return {
+        "msr0@128K": speedup("elastic:split:msr=0", LONG),
+        "fa_ssa@128K": speedup(f"elastic:split:fa-ssa:msr={MSR:g}", LONG),
+        "fa_ssa@32K": speedup(f"elastic:split:fa-ssa:msr={MSR:g}", MID),
+    }
+
+
+def _router(data: dict[str, Any]) -> dict[str, float | None]:
+    rows = [r for r in data.get("rows", []) if r.get("router_per_layer_ms") is not None]
+    if not rows:
+        return {"router": None}
+    return {"router": float(max(rows, key=lambda r: r["seq"])["router_per_layer_ms"])}
+
+
+def _demo(data: dict[str, Any]) -> dict[str, float | None]:
+    secs = {r.get("label"): r.get("seconds") for r in data.get("rows", []) if isinstance(r, dict)}
+    full, stream = secs.get("full"), secs.get("all-streaming")
+    return {"demo": None if not full or stream is None else float(stream) / float(full)}
+
+
+READERS: dict[str, Callable[[dict[str, Any]], dict[str, float | None]]] = {
+    "elasticfw.bench.attention": _attention,
+    "elasticfw.bench.prefill": _prefill,
+    "router_overhead": _router,
+    "demo_cpu": _demo,
+}
+
+#: figure -> (kind of JSON, key of its reader's result)
+SOURCES: dict[str, tuple[str, str]] = {
+    FIGURES[0][0]: ("elasticfw.bench.attention", "fa_ssa_layer"),
+    FIGURES[1][0]: ("elasticfw.bench.attention", "full_layer"),
+    FIGURES[2][0]: ("elasticfw.bench.prefill", "msr0@128K"),
+    FIGURES[3][0]: ("elasticfw.bench.prefill", "fa_ssa@128K"),
+    FIGURES[4][0]: ("elasticfw.bench.prefill", "fa_ssa@32K"),
+    **{f"{label} planning @128K / dense": ("elasticfw.bench.attention", f"plan:{mode}")
+       for mode, (label, _) in PLANNING.items()},
+    "router, all layers, per layer": ("router_overhead", "router"),
+    FIGURES[-1][0]: ("demo_cpu", "demo"),
+}
+
+
+def build_targets(jsons: dict[str, Any]) -> list[dict[str, Any]]:
+    """One ``{"figure", "value", "target", "met", "source"}`` per figure of issue 10's table, from
+    ``jsons`` (source name -> loaded JSON). When two JSONs of one kind hold a value, the later
+    name (sorted) wins."""
+    values: dict[tuple[str, str], tuple[float | None, str]] = {}
+    for name in sorted(jsons):
+        kind = _kind(jsons[name])
+        if kind is None:
+            continue
+        for key, value in READERS[kind](jsons[name]).items():
+            if value is not None or (kind, key) not in values:
+                values[(kind, key)] = (value, name)
+
+    def entry(figure: str, target: float, op: str, kind: str, key: str) -> dict[str, Any]:
+        value, source = values.get((kind, key), (None, ""))
+        ok = value is not None and math.isfinite(value) and (value <= target if op == "<=" else value >= target)
+        return {"figure": figure, "value": value, "target": target, "met": bool(ok), "source": source}
+
+    out = []
+    for figure, target, op in FIGURES:
+        kind, key = SOURCES[figure]
+        out.append(entry(figure, target, op, kind, key))
+        if figure.startswith(PLANNING["moba"][0]):  # after the planning rows: each mode's whole layer
+            for mode, (_, plan_target) in PLANNING.items():
+                esr, _src = values.get(("elasticfw.bench.attention", f"esr:{mode}"), (None, ""))
+                limit = 1.15 * (1.0 - float(esr if esr is not None else 0.0)) + plan_target  # no ESR: as if dense
+                out.append(entry(MODE_LAYER.format(mode=mode), limit, "<=", "elasticfw.bench.attention", f"layer:{mode}"))
+    return out
+
+
+def load_jsons(folder: Path) -> dict[str, Any]:
+    """Every ``*.json`` of ``folder`` except ``targets.json``, by file name (unreadable ones skipped)."""
+    out: dict[str, Any] = {}
+    for path in sorted(folder.glob("*.json")):
+        if path.name == "targets.json":
+            continue
+        try:
+            out[path.name] = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+    return out
+
+
+def write_targets(folder: Path, out: Path | None = None) -> tuple[Path, list[dict[str, Any]]]:
+    """``build_targets`` over ``folder``'s JSONs, written to ``out`` (default ``folder/targets.json``)."""
+    targets = build_targets(load_jsons(folder))
+    path = out or folder / "targets.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(targets, indent=2, allow_nan=False) + "\n")
+    return path, targets

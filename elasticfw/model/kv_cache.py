@@ -1,0 +1,421 @@
+"""A compact KV cache for elastic models: each sample's sparse heads keep only what their mode can
+still read at decode.
+
+Routing is decided at prefill and held for the whole sequence, so after the prefill a head routed
+to a mode that declares :meth:`~elasticfw.attention.mode.AttentionMode.decode_keep` (streaming:
+its sink and its window) never reads its other keys again. :class:`ElasticKVCache` is a
+transformers :class:`~transformers.cache_utils.Cache` (pass it as ``cache=`` to ``generate`` or to
+a forward, or set ``elastic.kv_cache: compact`` and let :meth:`ElasticModel.generate
+<elasticfw.model.elastic.ElasticModel.generate>` make one) that, right after a routed layer's
+prefill attention, moves that layer's keys and values into per-mode stores:
+
+* **Storage: one store per (layer, mode).** The (sample, KV head) pairs of a layer routed to one
+  mode share one ``(pairs, slots, head_dim)`` tensor, so heads of one layer with different
+  lengths waste no padding on one another and the routing may differ per sample. A mode without a
+  declaration (full attention, XAttention, MoBA, NSA) gets a *full* store: slot ``j`` holds
+  position ``j``, grown in chunks of ``growth_tokens`` (amortised: no step copies the cache). A
+  mode with a :class:`~elasticfw.attention.mode.DecodeKeep` gets a *compact* store of at most
+  ``sink + local`` slots: the sink tokens in slots ``[0, sink)`` and a ring of ``local`` slots for
+  the window (position ``j >= sink`` in slot ``sink + (j - sink) % local``), each slot tagged with
+  the position it holds.
+* **Coordinates.** Stores are in elasticfw's canonical coordinates (:mod:`elasticfw.attention.seq`):
+  a sample's keys are its real tokens only, so left padding costs nothing and a compact head of a
+  short sample holds its own sink and window.
+* **Decode attention without copying the cache.** The new token's keys are written in place; a
+  full store runs its mode through the executor over a view of the store (its pairs as the
+  batch, one KV head each, their query heads as the group); a compact store runs a plain softmax
+  over the slots :meth:`DecodeKeep.visible` marks — what the mode declared it reads, so no layout
+  is needed. Greedy generation therefore equals generation with the full cache for the same
+  routing, up to floating-point summation order (the same keys, fewer of them in the sum).
+* **What is not compacted:** layers that are not routed and layers the backbone runs with a native
+  sliding window (transformers' own layers, already bounded), and every layer while the router
+  is training (the mixing forward needs both modes of every head: refused).
+
+The handshake with the attention function: transformers' attention modules call
+``cache.update(k, v, layer_idx)`` and hand the result straight to the attention interface. A
+compacted layer's ``update`` keeps the new keys and values, returns them unchanged as tokens, and
+tells the runtime (``runtime.kv_handoff``) that the attention call that follows is its own; the
+runtime then lets the layer run the decode attention (:meth:`ElasticKVLayer.attend`). Beam search,
+assisted decoding and cache cropping need the evicted keys back and are refused once a layer is
+compacted; chunks of several tokens after the prefill are supported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from elasticfw.attention.mode import AttentionMode, DecodeKeep
+from elasticfw.attention.seq import SeqInfo
+from elasticfw.errors import ElasticError, UnsupportedInputError
+
+if TYPE_CHECKING:
+    from elasticfw.attention.executor import Executor
+    from elasticfw.model.bridge import KeyPaddingInfo
+    from elasticfw.model.canonical import Canonical
+    from elasticfw.model.runtime import ElasticRuntime
+
+#: default growth of a full store, in tokens (a store is reallocated once per this many steps)
+GROWTH_TOKENS = 256
+
+
+@dataclass
+class _Store:
+    """The (sample, KV head) pairs of one layer routed to one mode.
+
+    ``keys`` / ``values`` are (N, slots, D); ``positions`` (N, slots) int32 is the position each
+    slot holds (-1: empty) for a compact store, ``None`` for a full store (slot = position).
+    """
+
+    mode: AttentionMode
+    keep: DecodeKeep | None
+    samples: torch.Tensor  # (N,) int64
+    heads: torch.Tensor  # (N,) int64
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor | None
+
+    @property
+    def size(self) -> int:
+        return int(self.samples.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        extra = self.positions.nbytes if self.positions is not None else 0
+        return int(self.keys.nbytes + self.values.nbytes + extra)
+
+    def slot_of(self, position: torch.Tensor) -> torch.Tensor:
+        if self.keep is None:
+            return position
+        sink, local = self.keep.sink_tokens, self.keep.local_tokens
+        return torch.where(position < sink, position, sink + (position - sink) % local)
+
+    def slots_for(self, max_length: int) -> int:
+        """Slots a store needs once its longest sequence has ``max_length`` tokens."""
+        return max_length if self.keep is None else min(max_length, self.keep.capacity)
+
+    def reserve(self, max_length: int, growth: int) -> None:
+        """Grow the store (by at least ``growth`` slots, up to a compact store's capacity) so that
+        sequences of ``max_length`` tokens fit."""
+        needed = self.slots_for(max_length)
+        have = self.keys.shape[1]
+        if needed <= have:
+            return
+        new = self.slots_for(max_length + growth)
+        pad = new - have
+        n, _, d = self.keys.shape
+        self.keys = torch.cat([self.keys, self.keys.new_zeros(n, pad, d)], dim=1)
+        self.values = torch.cat([self.values, self.values.new_zeros(n, pad, self.values.shape[2])], dim=1)
+        if self.positions is not None:
+            self.positions = torch.cat([self.positions, self.positions.new_full((n, pad), -1)], dim=1)
+
+    def write(self, position: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store one token per pair: ``position`` (N,), ``k`` / ``v`` (N, D)."""
+        rows = torch.arange(self.size, device=self.keys.device)
+        slot = self.slot_of(position)
+        self.keys[rows, slot] = k.to(self.keys.dtype)
+        self.values[rows, slot] = v.to(self.values.dtype)
+        if self.positions is not None:
+            self.positions[rows, slot] = position.to(self.positions.dtype)
+
+
+def _prefill_positions(keep: DecodeKeep, lengths: torch.Tensor, slots: int) -> torch.Tensor:
+    """(N, slots) position held by each compact slot after ``lengths`` tokens (-1: empty): the sink
+    tokens, then for ring slot ``r`` the latest position ``j >= sink`` with ``(j - sink) % local == r``."""
+    sink, local = keep.sink_tokens, keep.local_tokens
+    s = torch.arange(slots, device=lengths.device)[None, :]
+    n = lengths[:, None]
+    in_sink = torch.where(s < n, s, torch.full_like(s, -1))
+    r = s - sink
+    past = n - sink  # tokens after the sink
+    latest = sink + r + local * torch.div((past - 1 - r).clamp_min(0), local, rounding_mode="floor")
+    in_ring = torch.where(past > r, latest, torch.full_like(latest, -1))
+    return torch.where(s < sink, in_sink, in_ring)
+
+
+class ElasticKVLayer(DynamicLayer):
+    """One routed layer's cache: a transformers ``DynamicLayer`` until its first attention call,
+    then one store per mode (see the module docstring)."""
+
+    is_croppable = False
+
+    def __init__(self, runtime: ElasticRuntime, layer_idx: int, growth_tokens: int = GROWTH_TOKENS) -> None:
+        super().__init__()
+        if growth_tokens < 1:
+            raise ValueError(f"growth_tokens must be >= 1, got {growth_tokens}")
+        self.runtime = runtime
+        self.layer_idx = layer_idx
+        self.growth = growth_tokens
+        self.stores: list[_Store] | None = None
+        self.total = 0  # tokens transformers has passed through (padding included): its sequence length
+        self.lengths: list[int] = []  # real tokens per sample (host)
+        self.lengths_t: torch.Tensor | None = None  # the same on the device
+        self._incoming: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._checked_mask: KeyPaddingInfo | None = None
+
+    def __repr__(self) -> str:
+        state = "compacted" if self.compacted else "dense"
+        return f"ElasticKVLayer(layer={self.layer_idx}, {state})"
+
+    @property
+    def compacted(self) -> bool:
+        return self.stores is not None
+
+    # -- the transformers layer contract --------------------------------------------------------
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._incoming is not None:
+            raise ElasticError(
+                f"compact KV cache, layer {self.layer_idx}: the previous tokens' keys were never read by elastic "
+                "attention (a forward failed half-way?); this cache is inconsistent, start a new one"
+            )
+        if not self.compacted:
+            keys, values = super().update(key_states, value_states, *args, **kwargs)
+            self.runtime.kv_handoff[self.layer_idx] = (self, keys)
+            return keys, values
+        self._incoming = (key_states, value_states)
+        self.total += int(key_states.shape[-2])
+        self.runtime.kv_handoff[self.layer_idx] = (self, key_states)
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return self.total if self.compacted else super().get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def reset(self) -> None:
+        self.stores = None
+        self.total = 0
+        self.lengths, self.lengths_t = [], None
+        self._incoming = self._checked_mask = None
+        super().reset()
+
+    def _refuse(self, what: str) -> None:
+        if self.compacted:
+            raise UnsupportedInputError(
+                f"the compact KV cache cannot {what}: its sparse heads no longer hold the keys that would need; "
+                "use elastic.kv_cache=full (greedy decoding and sampling work with compact)"
+            )
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._refuse("crop tokens (assisted decoding)")
+        super().crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._refuse("reorder samples (beam search)")
+        super().reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._refuse("repeat samples")
+        super().batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._refuse("select samples")
+        super().batch_select_indices(indices)
+
+    def offload(self) -> None:
+        self._refuse("offload to the CPU")
+        super().offload()
+
+    # -- accounting -----------------------------------------------------------------------------
+    def kept_tokens(self) -> torch.Tensor:
+        """(B, Hkv) int64: keys held per sample and KV head (a full head: its real tokens; a compact
+        head: ``DecodeKeep.stored`` of them — its sink and ring, evicted keys excluded)."""
+        if not self.compacted:
+            raise ElasticError(f"layer {self.layer_idx} has not been compacted yet (no prefill has run)")
+        assert self.stores is not None and self.lengths_t is not None
+        heads = self.runtime.num_kv_heads
+        out = torch.zeros(len(self.lengths), heads, dtype=torch.long)
+        for store in self.stores:
+            for b, h in zip(store.samples.tolist(), store.heads.tolist()):
+                n = self.lengths[b]
+                out[b, h] = n if store.keep is None else store.keep.stored(n)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors this layer holds (allocated slots, growth reserve included)."""
+        if self.stores is not None:
+            return sum(s.nbytes for s in self.stores)
+        if self.keys is None or self.values is None:
+            return 0
+        return int(self.keys.nbytes + self.values.nbytes)
+
+    # -- called by the runtime ------------------------------------------------------------------
+    def compact(self, can: Canonical, sparse: torch.Tensor | None, *, mixing: bool = False) -> None:
+        """Replace this layer's dense keys by per-mode stores, after its prefill attention:
+        ``can`` holds the canonical (start-aligned) keys, ``sparse`` (B, Hkv) the hard decisions;
+        ``mixing``: the forward ran both modes for every head (a training router), refused."""
+        runtime = self.runtime
+        if sparse is None:
+            raise ElasticError(f"compact KV cache: layer {self.layer_idx} is not routed, it should not be compacted")
+        if mixing:
+            raise UnsupportedInputError(
+                "the compact KV cache is for inference: the router is training (every head runs both modes); "
+                "call elastic.eval() or use elastic.kv_cache=full"
+            )
+        lengths = can.seq.kv_len
+        self.lengths = [int(n) for n in lengths.tolist()]
+        self.lengths_t = lengths.clone()
+        longest = max(self.lengths, default=0)
+        stores = []
+        for mode, chosen in ((runtime.retrieval_mode, ~sparse), (runtime.sparse_mode, sparse)):
+            pairs = chosen.nonzero()
+            if pairs.shape[0] == 0:
+                continue
+            b, h = pairs[:, 0], pairs[:, 1]
+            keep = mode.decode_keep()
+            store = _Store(mode, keep, b, h, can.k[:0, 0], can.v[:0, 0], None)
+            slots = store.slots_for(longest + self.growth)
+            if keep is None:
+                n, d, dv = b.shape[0], can.k.shape[-1], can.v.shape[-1]
+                store.keys = can.k.new_zeros(n, slots, d)
+                store.values = can.v.new_zeros(n, slots, dv)
+                store.keys[:, :longest] = can.k[b, h, :longest]
+                store.values[:, :longest] = can.v[b, h, :longest]
+            else:
+                positions = _prefill_positions(keep, lengths[b], slots)
+                index = positions.clamp_min(0)
+                store.keys = can.k[b[:, None], h[:, None], index]
+                store.values = can.v[b[:, None], h[:, None], index]
+                store.positions = positions.to(torch.int32)  # half the bytes of int64; positions < 2**31
+            stores.append(store)
+        self.total = self.get_seq_length()
+        self.keys = self.values = None  # the dense keys are gone from now on
+        self.stores = stores
+
+    def attend(
+        self, q: torch.Tensor, info: KeyPaddingInfo | None, *, scale: float, executor: Executor
+    ) -> torch.Tensor:
+        """Decode attention of the queries q (B, Hq, S, D) over the stores, after writing the
+        ``S`` tokens given to :meth:`update`; returns (B, Hq, S, Dv) in transformers' rows."""
+        if self._incoming is None or self.stores is None or self.lengths_t is None:
+            raise ElasticError(f"compact KV cache, layer {self.layer_idx}: attention without a preceding update")
+        k_new, v_new = self._incoming
+        self._incoming = None
+        batch, hq, steps, _ = q.shape
+        hkv = k_new.shape[1]
+        self._check_new_tokens(info, steps)
+        group = hq // hkv
+        positions = self.lengths_t[:, None] + torch.arange(steps, device=q.device)[None, :]  # (B, S)
+        longest = max(self.lengths, default=0) + steps
+        qg_all = q.reshape(batch, hkv, group, steps, q.shape[-1])
+        out = q.new_empty(batch, hkv, group, steps, v_new.shape[-1])
+        for store in self.stores:
+            b, h = store.samples, store.heads
+            qg = qg_all[b, h]  # (N, G, S, D)
+            pos = positions[b]  # (N, S)
+            kn, vn = k_new[b, h], v_new[b, h]  # (N, S, D)
+            if store.keep is None:
+                store.reserve(longest, self.growth)
+                for i in range(steps):
+                    store.write(pos[:, i], kn[:, i], vn[:, i])
+                lengths = self.lengths_t[b]
+                seq = SeqInfo.trusted(lengths, lengths + steps, steps, longest)
+                result = store.mode.attend(
+                    qg, store.keys[:, None, :longest], store.values[:, None, :longest], seq, executor, scale=scale
+                ).out
+            else:
+                result = self._attend_compact(store, qg, pos, kn, vn, scale, longest)
+            out[b, h] = result.to(out.dtype)
+        self.lengths_t = self.lengths_t + steps
+        self.lengths = [n + steps for n in self.lengths]
+        return out.reshape(batch, hq, steps, out.shape[-1])
+
+    def _attend_compact(
+        self, store: _Store, qg: torch.Tensor, pos: torch.Tensor, kn: torch.Tensor, vn: torch.Tensor,
+        scale: float, longest: int,
+    ) -> torch.Tensor:
+        keep = store.keep
+        assert keep is not None and store.positions is not None
+        steps = pos.shape[1]
+        if steps == 1:  # write first: the ring slot it overwrites is not readable any more
+            store.reserve(longest, self.growth)
+            store.write(pos[:, 0], kn[:, 0], vn[:, 0])
+            keys, values, held = store.keys, store.values, store.positions
+        else:  # earlier queries of the chunk may still read what the later tokens overwrite
+            keys = torch.cat([store.keys, kn.to(store.keys.dtype)], dim=1)
+            values = torch.cat([store.values, vn.to(store.values.dtype)], dim=1)
+            held = torch.cat([store.positions, pos.to(store.positions.dtype)], dim=1)
+        mask = keep.visible(held[:, None, None, :], pos[:, None, :, None])  # (N, 1, S, slots)
+        dtype = keys.dtype
+        result = F.scaled_dot_product_attention(
+            qg.to(dtype), keys[:, None], values[:, None], attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        if steps > 1:
+            store.reserve(longest, self.growth)
+            for i in range(steps):
+                store.write(pos[:, i], kn[:, i], vn[:, i])
+        return result
+
+    def _check_new_tokens(self, info: KeyPaddingInfo | None, steps: int) -> None:
+        """The new tokens must be real and last (generate appends them so); checked once per mask."""
+        if info is None or info is self._checked_mask:
+            return
+        if info.kv_length != self.total or info.query_index != self.total - steps:
+            raise UnsupportedInputError(
+                f"compact KV cache, layer {self.layer_idx}: the attention mask covers {info.kv_length} keys with "
+                f"queries at {info.query_index}, but the cache holds {self.total} tokens ending with these {steps}"
+            )
+        if info.key_mask is not None and not bool(info.key_mask[:, -steps:].all()):
+            raise UnsupportedInputError(
+                "the compact KV cache needs every token after the prefill to be real (attention_mask 1): "
+                "padding inside or after a continuation is not supported"
+            )
+        self._checked_mask = info
+
+
+class ElasticKVCache(Cache):
+    """The KV cache of an elastic model with compacted sparse heads (see the module docstring).
+
+    >>> cache = ElasticKVCache(elastic)
+    >>> out = elastic.generate(**inputs, cache=cache, max_new_tokens=32)
+    >>> cache.nbytes, cache.kept_tokens(layer_idx=3)    # bytes held; (B, Hkv) keys kept
+
+    ``growth_tokens``: a full store grows by this many slots at a time.
+    """
+
+    def __init__(self, elastic: Any, *, growth_tokens: int = GROWTH_TOKENS) -> None:
+        runtime: ElasticRuntime = elastic.runtime
+        model = elastic.base
+        config = model.config.get_text_config(decoder=True)
+        layers: list[Any] = list(DynamicCache(config=config).layers)
+        if len(layers) != runtime.num_layers:
+            raise ElasticError(
+                f"the backbone's cache has {len(layers)} layers but the elastic model {runtime.num_layers}"
+            )
+        for i, layer in enumerate(layers):
+            windowed = getattr(layer, "is_sliding", False) or elastic.adapter.sliding_window(model, i) is not None
+            if i in runtime.routed and not windowed:
+                layers[i] = ElasticKVLayer(runtime, i, growth_tokens)
+        super().__init__(layers=layers)
+
+    def elastic_layers(self) -> dict[int, ElasticKVLayer]:
+        """The layers that compact (routed, without a native window), by layer index."""
+        return {i: layer for i, layer in enumerate(self.layers) if isinstance(layer, ElasticKVLayer)}
+
+    def kept_tokens(self, layer_idx: int) -> torch.Tensor:
+        """(B, Hkv) keys held by a compacting layer per sample and KV head (see
+        :meth:`ElasticKVLayer.kept_tokens`)."""
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, ElasticKVLayer):
+            raise ElasticError(f"layer {layer_idx} is not compacted by this cache (not routed, or natively windowed)")
+        return layer.kept_tokens()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every key, value and position tensor the cache holds, all layers."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, ElasticKVLayer):
+                total += layer.nbytes
+            else:
+                for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                    total += int(t.nbytes) if isinstance(t, torch.Tensor) else 0
+        return total

@@ -1,0 +1,355 @@
+"""Split executor: each group of heads through the fastest kernel that computes it exactly.
+
+A layer under Elastic Attention has two kinds of heads: the retrieval mode's (usually full
+attention: a dense causal layout) and the sparse mode's. One block-sparse launch over both
+(the ``flex`` executor) runs the full heads through FlexAttention, which is slower than the best
+dense kernel (ALGORITHMS.md §4: on an H200 at 128K, cuDNN SDPA 253 ms vs Flex dense 343 ms). This
+executor composes kernels instead:
+
+* **Dense causal heads** (a layout with ``dense_causal``, on a plain prefill: ``q_start == 0``
+  and ``q_len == kv_capacity``, without a log-sum-exp asked for) run through dense causal
+  ``scaled_dot_product_attention``. On CUDA ``dense_backend: auto`` prefers cuDNN, then
+  FlashAttention-2, memory-efficient and math (``sdpa_kernel(..., set_priority=True)``): the
+  first that accepts the inputs runs; naming one backend pins it (an error if it cannot run).
+  ``flash_attn`` calls the ``flash-attn`` package's ``flash_attn_func`` (opt-in; measured slower
+  than cuDNN on Hopper for FA2). A layer whose heads are all full (MSR 0, or a layer not
+  routed) therefore costs one dense SDPA call: no mask, no BlockMask.
+* **Every other layout** runs through the sparse path: ``flex`` (the registered ``flex``
+  executor with the ``flex`` options here; ``sparse: auto`` picks it on CUDA) or ``gathered``
+  (``auto`` elsewhere): per chunk of ``query_chunk`` query rows, the union of the key blocks any
+  head of the chunk computes is gathered and SDPA runs over those keys only, with the exact mask
+  (causality, the layout's blocks and token mask) built for the gathered columns. Its cost
+  follows the layout's density, so on a CPU a streaming layer is cheaper than a full one (the
+  ``sdpa`` executor masks all S keys for every row). The keys are copied as one slice per run of
+  consecutive blocks (sink and local window: two); a chunk whose blocks form one run (every key
+  up to the chunk, or one window) uses views.
+
+Routed layers (:meth:`attend_routed`): when exactly one of the two layouts is dense causal, the
+call is a plain prefill, no log-sum-exp is asked for, every sample of the batch has the same
+routing and the dense heads form whole GQA groups, the dense heads run through the dense kernel
+and the other heads through the sparse path; otherwise the call falls back to the default one
+launch over the per-head combination through the sparse path (batches whose samples are routed
+differently, decode steps and chunked prefill, calls that need the log-sum-exp, e.g. NSA's
+compressed branch). What is copied in the split:
+
+* the dense group's q heads and K/V heads: views when they are a contiguous range of heads (the
+  usual case: a fixed router keeping the first heads full), else a gather of only that group;
+* nothing for the sparse group: it runs over all heads and all of K/V, with the dense heads'
+  rows emptied in its layout (an empty row costs no tile), so the compiled FlexAttention kernel
+  sees one shape whatever the routing (no recompilation per number of sparse heads);
+* the output: the sparse launch's (B, Hq, Sq, D) result with the dense heads' rows replaced by
+  the dense kernel's (one out-of-place ``index_copy``: one write of the output).
+
+Gradients flow through both groups (SDPA and FlexAttention have backward passes; the gathered
+path is plain differentiable PyTorch).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+from elasticfw.attention.executor import Executor, ExecutorConfig
+from elasticfw.attention.layout import BlockLayout, expand_heads, select_heads
+from elasticfw.attention.mode import AttentionOutput
+from elasticfw.attention.seq import SeqInfo
+from elasticfw.errors import BackendUnavailableError, UnsupportedInputError
+from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
+
+DenseBackend = Literal["auto", "cudnn", "flash", "efficient", "math", "flash_attn"]
+
+
+class SplitConfig(ExecutorConfig):
+    name: Literal["split"] = "split"
+    dense_backend: DenseBackend = Field(
+        "auto",
+        description="Kernel of dense causal heads on CUDA: `auto` (SDPA, cuDNN first, then FlashAttention-2, "
+        "memory-efficient, math), one SDPA backend (`cudnn`, `flash`, `efficient`, `math`: pinned, an error "
+        "if it cannot run), or `flash_attn` (the flash-attn package). On a CPU: SDPA.",
+    )
+    sparse: Literal["auto", "flex", "gathered"] = Field(
+        "auto",
+        description="Path of every other layout: `flex` (the flex executor, options in `flex`), `gathered` "
+        "(SDPA over the key blocks each query chunk needs, exact mask); `auto`: flex on CUDA, gathered elsewhere.",
+    )
+    flex: FlexConfig | None = Field(
+        None, description="Options of the flex sparse path (a flex executor section without `name`; null: defaults)."
+    )
+    query_chunk: int = Field(
+        192, ge=1, description="Gathered path: query rows per SDPA call (the key blocks are gathered per chunk)."
+    )
+
+    def check_layout_block_size(self, block_size: int) -> None:
+        if self.sparse != "gathered":
+            self.flex_config().check_layout_block_size(block_size)
+
+    def flex_config(self) -> FlexConfig:
+        return self.flex if self.flex is not None else FlexConfig()
+
+
+def _sdpa_backends(name: str) -> list:
+    from torch.nn.attention import SDPBackend
+
+    table = {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
+    if name == "auto":
+        return [table["cudnn"], table["flash"], table["efficient"], table["math"]]
+    return [table[name]]
+
+
+def _sdpa_context(backends: list):  # type: ignore[no-untyped-def]
+    from torch.nn.attention import sdpa_kernel
+
+    if "set_priority" in inspect.signature(sdpa_kernel).parameters:  # torch >= 2.6: the list's order is the priority
+        return sdpa_kernel(backends, set_priority=True)
+    return sdpa_kernel(backends)
+
+
+def _plain_prefill(seq: SeqInfo) -> bool:
+    """Queries are every position from 0 (``is_causal`` then means exactly ``key <= position``)."""
+    return seq.q_len == seq.kv_capacity and not bool(seq.q_start.any())
+
+
+def _take_heads(t: torch.Tensor, heads: list[int]) -> torch.Tensor:
+    """Heads ``heads`` (ascending) of a (B, H, S, D) tensor: a view for a contiguous range, else a gather."""
+    if heads == list(range(heads[0], heads[-1] + 1)):
+        return t[:, heads[0] : heads[-1] + 1]
+    return t.index_select(1, torch.tensor(heads, device=t.device))
+
+
+def _empty_like_layout(layout: BlockLayout) -> BlockLayout:
+    """A layout of the same block grid computing nothing."""
+    shape = (1, 1, *layout.blocks.shape[2:])
+    return BlockLayout(torch.zeros(shape, dtype=torch.bool, device=layout.blocks.device), layout.block_size)
+
+
+def _gather_keys(
+    k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, bs: int, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the (ascending) key blocks ``ids``: views when they are one run of
+    consecutive blocks (every key included), else one concatenation of slices, one per run."""
+    blocks = [int(i) for i in ids.tolist()]
+    runs: list[tuple[int, int]] = []
+    for b in blocks:
+        if runs and runs[-1][1] == b * bs:
+            runs[-1] = (runs[-1][0], min((b + 1) * bs, capacity))
+        else:
+            runs.append((b * bs, min((b + 1) * bs, capacity)))
+    if len(runs) == 1:
+        a, z = runs[0]
+        return k[:, :, a:z], v[:, :, a:z]
+    return torch.cat([k[:, :, a:z] for a, z in runs], 2), torch.cat([v[:, :, a:z] for a, z in runs], 2)
+
+
+class SplitExecutor(Executor):
+    """Dense causal heads through dense SDPA (cuDNN first on CUDA), the others through FlexAttention
+    (CUDA) or block-gathered SDPA (CPU); see the module docstring."""
+
+    name = "split"
+    config_class = SplitConfig
+    config: SplitConfig
+
+    def __init__(self, config: SplitConfig | None = None) -> None:
+        super().__init__(config)
+        self._flex: FlexExecutor | None = None
+
+    # -- decisions -----------------------------------------------------------------------------
+    def sparse_path(self, device: torch.device) -> str:
+        """``flex`` or ``gathered``: the path of layouts that are not dense causal, on ``device``."""
+        choice = self.config.sparse
+        if choice == "auto":
+            return "flex" if device.type == "cuda" else "gathered"
+        return choice
+
+    def dense_ok(self, layout: BlockLayout, seq: SeqInfo, need_lse: bool) -> bool:
+        """Whether ``layout`` runs through the dense causal kernel."""
+        return layout.dense_causal and not need_lse and _plain_prefill(seq)
+
+    # -- the contract ------------------------------------------------------------------------
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: BlockLayout,
+        seq: SeqInfo,
+        *,
+        scale: float,
+        need_lse: bool = True,
+    ) -> AttentionOutput:
+        if self.dense_ok(layout, seq, need_lse):
+            return AttentionOutput(self.dense(q, k, v, scale=scale), None)
+        return self.sparse(q, k, v, layout, seq, scale=scale, need_lse=need_lse)
+
+    def attend_routed(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seq: SeqInfo,
+        *,
+        hard: torch.Tensor,
+        layouts: tuple[BlockLayout, BlockLayout],
+        scale: float,
+        need_lse: bool = True,
+    ) -> AttentionOutput:
+        lay_r, lay_s = layouts
+        dense_heads = self.split_heads(q, k, seq, hard, layouts, need_lse)
+        if dense_heads is None:
+            return super().attend_routed(q, k, v, seq, hard=hard, layouts=layouts, scale=scale, need_lse=need_lse)
+        for layout in layouts:
+            self.check_inputs(q, k, v, seq, layout, scale=scale)
+        dense_q, dense_kv = dense_heads
+        sparse_layout, sparse_heads = (lay_s, hard) if lay_r.dense_causal else (lay_r, ~hard)
+        hq = q.shape[1]
+        if not dense_q:
+            return self.sparse(q, k, v, sparse_layout, seq, scale=scale, need_lse=False)
+        if len(dense_q) == hq:
+            return AttentionOutput(self.dense(q, k, v, scale=scale), None)
+        out_d = self.dense(_take_heads(q, dense_q), _take_heads(k, dense_kv), _take_heads(v, dense_kv), scale=scale)
+        # the sparse group over all heads, the dense heads' rows empty: no q/K/V copy, one kernel shape
+        rest = select_heads(sparse_heads, sparse_layout, _empty_like_layout(sparse_layout))
+        out_s = self.sparse(q, k, v, rest, seq, scale=scale, need_lse=False).out
+        index = torch.tensor(dense_q, device=q.device)
+        return AttentionOutput(out_s.index_copy(1, index, out_d.to(out_s.dtype)), None)
+
+    def split_heads(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        seq: SeqInfo,
+        hard: torch.Tensor,
+        layouts: tuple[BlockLayout, BlockLayout],
+        need_lse: bool,
+    ) -> tuple[list[int], list[int]] | None:
+        """(dense query heads, their KV heads) when a routed call splits, else ``None`` (one launch)."""
+        lay_r, lay_s = layouts
+        if need_lse or lay_r.dense_causal == lay_s.dense_causal or not _plain_prefill(seq):
+            return None
+        hq, hkv = q.shape[1], k.shape[1]
+        if hard.shape != (q.shape[0], hq):
+            raise UnsupportedInputError(
+                f"executor 'split': hard must be (batch, query heads) = {(q.shape[0], hq)}, got {tuple(hard.shape)}"
+            )
+        if not bool((hard == hard[:1]).all()):
+            return None  # samples routed differently: one launch (documented)
+        dense = (~hard[0] if lay_r.dense_causal else hard[0]).view(hkv, hq // hkv)
+        whole = dense.all(1) | ~dense.any(1)
+        if not bool(whole.all()):
+            return None  # a GQA group split between the two layouts: one launch
+        dense_kv = [int(i) for i in dense.all(1).nonzero().flatten().tolist()]
+        group = hq // hkv
+        dense_q = [h * group + j for h in dense_kv for j in range(group)]
+        return dense_q, dense_kv
+
+    # -- the two paths -------------------------------------------------------------------------
+    def dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -> torch.Tensor:
+        """Dense causal attention of a plain prefill (GQA without repeating K/V)."""
+        backend = self.config.dense_backend
+        if q.device.type != "cuda":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        if backend == "flash_attn":
+            return self._flash_attn(q, k, v, scale)
+        with _sdpa_context(_sdpa_backends(backend)):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+
+    @staticmethod
+    def _flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        try:
+            from flash_attn import flash_attn_func
+        except ImportError as exc:
+            raise BackendUnavailableError(
+                f"executor 'split': dense_backend 'flash_attn' needs the flash-attn package ({exc})"
+            ) from exc
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, softmax_scale=scale)
+        return out.transpose(1, 2)
+
+    def sparse(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: BlockLayout,
+        seq: SeqInfo,
+        *,
+        scale: float,
+        need_lse: bool,
+    ) -> AttentionOutput:
+        if self.sparse_path(q.device) == "flex":
+            if self._flex is None:
+                self._flex = FlexExecutor(self.config.flex_config())
+            return self._flex.attend(q, k, v, layout, seq, scale=scale, need_lse=need_lse)
+        return self.gathered(q, k, v, layout, seq, scale=scale, need_lse=need_lse)
+
+    def gathered(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: BlockLayout,
+        seq: SeqInfo,
+        *,
+        scale: float,
+        need_lse: bool,
+    ) -> AttentionOutput:
+        """Exact attention over ``layout``, computing per query chunk only the key blocks it uses."""
+        batch, hq, sq, dim = q.shape
+        group = hq // k.shape[1]
+        bs = layout.block_size
+        lay = expand_heads(layout, hq)  # 1 or Hq heads; a per-KV-head token mask sees query heads // group
+        heads = lay.num_heads
+        nqb, nkb = lay.blocks.shape[2], lay.blocks.shape[3]
+        # one mask for the whole batch when it cannot differ between samples (a 1-sample layout
+        # without token mask and one query start: a plain prefill), else one per sample
+        shared = lay.blocks.shape[0] == 1 and lay.token_mask is None and bool((seq.q_start == seq.q_start[0]).all())
+        mask_batch = 1 if shared else batch
+        blocks = lay.blocks.expand(mask_batch, heads, nqb, nkb)
+        q_start = seq.q_start[:mask_batch]
+        q_block0 = seq.q_block_start(bs)[:mask_batch]
+        b_idx = torch.arange(batch, device=q.device)[:, None, None, None]
+        h_idx = torch.arange(heads, device=q.device)[None, :, None, None]
+        outs, lses = [], []
+        for start in range(0, sq, self.config.query_chunk):
+            rows = torch.arange(start, min(sq, start + self.config.query_chunk), device=q.device)
+            pos = q_start[:, None] + rows[None, :]  # (B or 1, R)
+            t = (torch.div(pos, bs, rounding_mode="floor") - q_block0[:, None]).clamp(0, nqb - 1)
+            row_blocks = blocks.gather(2, t[:, None, :, None].expand(mask_batch, heads, t.shape[1], nkb))
+            used = row_blocks.any(2).any(1).any(0)  # (NKB,) key blocks any row of the chunk computes
+            used &= torch.arange(nkb, device=q.device) * bs <= int(pos.max())  # no block past the last position
+            ids = used.nonzero().flatten()
+            cols = (ids[:, None] * bs + torch.arange(bs, device=q.device)[None, :]).flatten()
+            cols = cols[cols < seq.kv_capacity]
+            qc = q[:, :, start : start + rows.shape[0]]
+            if cols.numel() == 0:
+                outs.append(torch.zeros_like(qc))
+                if need_lse:
+                    lses.append(torch.full(qc.shape[:3], -math.inf, device=q.device))
+                continue
+            kc, vc = _gather_keys(k, v, ids, bs, seq.kv_capacity)
+            mask = row_blocks.gather(3, torch.div(cols, bs, rounding_mode="floor").expand(*row_blocks.shape[:3], -1))
+            mask = mask & (cols[None, None, None, :] <= pos[:, None, :, None])
+            if lay.token_mask is not None:
+                mask = mask & lay.token_mask(b_idx, h_idx, pos[:, None, :, None], cols[None, None, None, :])
+            empty = ~mask.any(-1)  # rows that see no key: give SDPA one key, zero the result
+            has_empty = bool(empty.any())
+            if has_empty:
+                mask = mask.clone()
+                mask[..., 0] |= empty
+            out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True)
+            outs.append(out.masked_fill(empty[..., None], 0.0) if has_empty else out)
+            if need_lse:
+                scores = torch.matmul(qc.float(), kc.float().repeat_interleave(group, 1).transpose(-1, -2)) * scale
+                scores = scores.masked_fill(~mask, -math.inf)
+                lses.append(torch.logsumexp(scores, -1).masked_fill(empty, -math.inf))
+        if not outs:
+            return AttentionOutput(torch.zeros_like(q), torch.zeros(q.shape[:3], device=q.device) if need_lse else None)
+        return AttentionOutput(torch.cat(outs, 2), torch.cat(lses, 2) if need_lse else None)

@@ -1,0 +1,33 @@
+"""The decode-memory benchmark runs end to end on a CPU at a tiny shape (smoke test), and its
+compact-cache rows hold the kept-token counts written out by hand."""
+
+from __future__ import annotations
+
+import json
+
+from elasticfw.bench.decode_memory import main
+
+TINY = ["--device", "cpu", "--dtype", "fp32", "--contexts", "100", "--layers", "2", "--hidden", "64", "--heads", "4",
+        "--kv-heads", "2", "--head-dim", "16", "--intermediate", "128", "--vocab", "256", "--sink", "16",
+        "--local", "32", "--block", "16", "--steps", "2", "--warmup", "1", "--msr", "0.5", "1.0"]
+
+
+def test_bench_smoke(tmp_path):
+    out = tmp_path / "decode_memory.json"
+    assert main([*TINY, "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["failures"] == []
+    assert data["environment"]["torch"] and "commit" in json.dumps(data["environment"])
+    rows = {(r["variant"], r["msr"]): r for r in data["rows"]}
+    assert set(rows) == {("dense", 0.0), ("full_cache", 0.5), ("compact_cache", 0.5), ("full_cache", 1.0),
+                         ("compact_cache", 1.0)}
+    n = 100 + 1 + 2  # context + warmup + timed steps
+    kept = 16 + 32  # sink + window
+    assert rows["compact_cache", 1.0]["kept_tokens"] == 2 * 2 * kept  # layers x KV heads
+    assert rows["compact_cache", 0.5]["kept_tokens"] == 2 * (n + kept)  # one full, one streaming head per layer
+    dense = 2 * 2 * 2 * 100 * 16 * 4  # K and V, layers, KV heads, tokens, head dim, fp32
+    assert rows["dense", 0.0]["cache_bytes_after_prefill"] == dense
+    assert rows["full_cache", 1.0]["cache_bytes_after_prefill"] == dense
+    assert rows["compact_cache", 1.0]["cache_bytes_after_prefill"] == 2 * 2 * kept * (2 * 16 * 4 + 4)
+    assert abs(rows["compact_cache", 1.0]["expected_kv_ratio"] - kept / 100) < 1e-9
+    assert all(r["decode_step_ms_median"] > 0 for r in data["rows"])

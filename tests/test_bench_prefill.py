@@ -1,0 +1,62 @@
+"""CPU smoke run of the model-level prefill benchmark (the real run is on a GPU; see elasticfw/bench/prefill.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elasticfw.bench import prefill
+from elasticfw.cli import main as cli_main
+
+
+def test_prefill_bench_runs_dense_and_elastic_variants_on_cpu(tmp_path):
+    out = tmp_path / "prefill.json"
+    args = ["bench", "prefill", "--device", "cpu", "--dtype", "fp32", "--model", "tiny-llama", "--seq", "96",
+            "--layers", "1", "--executors", "split", "sdpa", "--msr", "0.5", "--sink", "16", "--local", "32",
+            "--block-size", "16", "--reps", "1", "--out", str(out)]
+    assert cli_main(args) == 0
+    data = json.loads(out.read_text())
+    for key in ("date", "git_commit", "torch", "transformers", "gpu"):
+        assert key in data["environment"]
+    assert data["models"]["tiny-llama"]["layers"] == 1 and data["models"]["tiny-llama"]["full_layers"] == 2
+    rows = {r["variant"]: r for r in data["results"]}
+    assert set(rows) == {"dense:sdpa", "elastic:split:msr=0", "elastic:split:fa-ssa:msr=0.5",
+                         "elastic:sdpa:msr=0", "elastic:sdpa:fa-ssa:msr=0.5"}
+    for r in rows.values():
+        assert r["error"] is None and r["ms"] > 0 and r["layers"] == 1
+        assert r["baseline_ms"] == rows["dense:sdpa"]["ms"]
+        assert r["speedup"] == pytest.approx(r["baseline_ms"] / r["ms"])
+    # fixed routing: MSR as asked, ESR from the routing report (streaming skips pairs at 96 tokens)
+    assert rows["elastic:split:msr=0"]["esr"] == 0 and rows["elastic:split:fa-ssa:msr=0.5"]["msr"] == 0.5
+    assert 0 < rows["elastic:split:fa-ssa:msr=0.5"]["esr"] < 0.5
+    assert (tmp_path / "prefill.png").stat().st_size > 0
+    assert cli_main(args) == 2  # an existing report is not replaced without --overwrite
+
+
+def test_fixed_router_keeps_the_first_heads_full():
+    assert prefill.fixed_router(0.0, 2, 8) == ({"name": "fixed", "assign": "all_retrieval"}, 0.0)
+    router, msr = prefill.fixed_router(0.875, 2, 8)
+    assert msr == 0.875 and router["assign"] == "retrieval_heads" and router["heads"] == [[0, 0], [1, 0]]
+    assert prefill.fixed_router(1.0, 2, 8)[1] == 1.0
+
+
+def test_full_size_configs_have_the_real_shapes():
+    llama = prefill.build_config("llama-3.1-8b")
+    assert (llama.num_hidden_layers, llama.num_attention_heads, llama.num_key_value_heads, llama.head_dim,
+            llama.hidden_size, llama.intermediate_size, llama.vocab_size) == (32, 32, 8, 128, 4096, 14336, 128256)
+    assert llama.rope_parameters["rope_type"] == "llama3"
+    qwen = prefill.build_config("qwen3-8b", layers=4)
+    assert (qwen.num_hidden_layers, qwen.num_key_value_heads, qwen.intermediate_size) == (4, 8, 12288)
+    with pytest.raises(SystemExit, match="layers"):
+        prefill.build_config("qwen3-8b", layers=40)
+
+
+def test_a_failing_variant_is_recorded_and_the_run_goes_on(tmp_path):
+    out = tmp_path / "p.json"
+    rc = prefill.main(["--device", "cpu", "--dtype", "fp32", "--model", "tiny-llama", "--seq", "64", "--layers", "1",
+                       "--executors", "no_such_executor", "--msr", "--reps", "1", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert rc == 1 and data["failures"]
+    rows = {r["variant"]: r for r in data["results"]}
+    assert rows["dense:sdpa"]["error"] is None and "no_such_executor" in rows["elastic:no_such_executor:msr=0"]["error"]

@@ -1,0 +1,322 @@
+"""The ``split`` executor: dense causal heads through dense SDPA, the others through the sparse path.
+
+The conformance suite (tests/test_mode_conformance.py) already compares it with the reference on
+every mode through ``attend``; here: the routed split (``attend_routed``) against the reference
+executor and against plain masked attention written here, forward and gradients, with the
+fallbacks (samples routed differently, a GQA group split, decode, log-sum-exp asked for), which
+path each call takes (a dense call does no mask work), what is copied, and the gathered CPU
+path's cost following the layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import elasticfw_plugins.executors.split as split_module
+from elasticfw.attention.executor import Executor, ExecutorConfig
+from elasticfw.attention.layout import causal_layout
+from elasticfw.attention.mode import AttentionOutput, attend_routed, routed_layout
+from elasticfw.attention.seq import SeqInfo
+from elasticfw.errors import BackendUnavailableError
+from elasticfw.recipe import validate_recipe_data
+from elasticfw.registry import get_registry
+from elasticfw.testing.modes import TOLERANCE, make_inputs, make_mode, rel_rms
+from elasticfw_plugins.executors.split import (
+    SplitConfig,
+    SplitExecutor,
+    _sdpa_backends,
+    _sdpa_context,
+    _take_heads,
+)
+
+FULL = make_mode("full", {"block_size": 16})
+STREAM = {
+    g: make_mode("streaming", {"block_size": 16, "sink_tokens": 16, "local_tokens": 32, "granularity": g})
+    for g in ("block", "token")
+}
+
+
+def _hard(kv: list[int], batch: int, hq: int) -> torch.Tensor:
+    row = torch.tensor(kv, dtype=torch.bool).repeat_interleave(hq // len(kv))
+    return row[None].expand(batch, hq).clone()
+
+
+def _masked(q, k, v, seq, hard, granularity, scale):
+    """Independent answer: float64 softmax over a mask written from the streaming definition
+    (sink + local window at block or token granularity) for sparse heads and causality for the rest."""
+    batch, hq, sq, _ = q.shape
+    group = hq // k.shape[1]
+    pos = seq.q_start[:, None] + torch.arange(sq)[None, :]  # (B, Sq)
+    key = torch.arange(k.shape[2])
+    causal = key[None, None, :] <= pos[:, :, None]  # (B, Sq, Sk)
+    if granularity == "token":
+        stream = causal & ((key[None, None, :] < 16) | (key[None, None, :] > pos[:, :, None] - 32))
+    else:
+        qb, kb = pos[:, :, None] // 16, key[None, None, :] // 16
+        stream = causal & ((kb < 1) | (kb > qb - 2))
+    mask = torch.where(hard[:, :, None, None], stream[:, None], causal[:, None])
+    kk, vv = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = (q.double() @ kk.transpose(-1, -2) * scale).masked_fill(~mask, -math.inf)
+    return (torch.softmax(scores, -1).nan_to_num(0.0) @ vv).to(q.dtype)
+
+
+def _run(executor, q, k, v, seq, hard, granularity, scale, dout=None):
+    lr, ls = (m.build_layout(q, k, seq) for m in (FULL, STREAM[granularity]))
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    res = attend_routed(q, k, v, seq, executor, retrieval=FULL, sparse=STREAM[granularity], hard=hard,
+                        layouts=(lr, ls), scale=scale)
+    if dout is not None:
+        res.out.backward(dout)
+    return res.out.detach(), [t.grad for t in (q, k, v)] if dout is not None else None
+
+
+ROUTINGS = {
+    "first-full": [0, 1, 1, 1],  # dense KV heads a contiguous range: views
+    "scattered": [1, 0, 1, 0],  # dense KV heads 1 and 3: a gather
+    "last-full": [1, 1, 1, 0],
+    "all-full": [0, 0, 0, 0],
+    "all-sparse": [1, 1, 1, 1],
+}
+
+
+@pytest.mark.parametrize("sparse", ["gathered", "flex"])  # flex: its CPU emulation, the GPU path's block lists
+@pytest.mark.parametrize("granularity", ["block", "token"])
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+def test_routed_split_matches_reference_and_masked_attention(routing, granularity, sparse):
+    shape = (2, 8, 4, 90, 90, 16)
+    q, k, v, seq = make_inputs(shape, kv_lens=[90, 61])  # right padding: kv_len < capacity
+    hard = _hard(ROUTINGS[routing], 2, 8)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)) * seq.query_valid()[:, None, :, None]
+    split = SplitExecutor(SplitConfig(sparse=sparse))
+    assert split.split_heads(q, k, seq, hard, (FULL.build_layout(q, k, seq), STREAM[granularity].build_layout(q, k, seq)), False) is not None
+    out, grads = _run(split, q, k, v, seq, hard, granularity, 0.37, dout)
+    rout, rgrads = _run(get_registry().get("executor", "reference")(), q, k, v, seq, hard, granularity, 0.37, dout)
+    rows = seq.query_valid()[:, None, :, None].expand_as(out)
+    assert rel_rms(out[rows], rout[rows]) < TOLERANCE[torch.float32]
+    want = _masked(q, k, v, seq, hard, granularity, 0.37)
+    assert rel_rms(out[rows], want[rows]) < TOLERANCE[torch.float32]
+    for g, rg in zip(grads, rgrads):
+        assert rel_rms(g, rg) < 3 * TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_routed_split_half_precision(dtype):
+    q, k, v, seq = make_inputs((1, 8, 2, 120, 120, 16), dtype=dtype)
+    hard = _hard([0, 1], 1, 8)
+    out, _ = _run(SplitExecutor(), q, k, v, seq, hard, "token", 0.25)
+    want = _masked(q.float(), k.float(), v.float(), seq, hard, "token", 0.25)
+    assert out.dtype == dtype and rel_rms(out.float(), want.float()) < TOLERANCE[dtype]
+
+
+class _Spy:
+    """Records which path of a SplitExecutor ran (dense calls, sparse calls with their layouts)."""
+
+    def __init__(self, executor: SplitExecutor, monkeypatch) -> None:
+        self.dense: list[tuple[int, int]] = []
+        self.sparse: list = []
+        real_dense, real_sparse = executor.dense, executor.sparse
+
+        def dense(q, k, v, *, scale):
+            self.dense.append((q.shape[1], k.shape[1]))
+            self.dense_kv = (k, v)
+            return real_dense(q, k, v, scale=scale)
+
+        def sparse(q, k, v, layout, seq, *, scale, need_lse):
+            self.sparse.append(layout)
+            return real_sparse(q, k, v, layout, seq, scale=scale, need_lse=need_lse)
+
+        monkeypatch.setattr(executor, "dense", dense)
+        monkeypatch.setattr(executor, "sparse", sparse)
+
+
+def test_a_dense_causal_prefill_is_one_dense_call_without_mask_work(monkeypatch):
+    q, k, v, seq = make_inputs((2, 6, 2, 100, 100, 16), kv_lens=[100, 77])
+    ex = SplitExecutor()
+    spy = _Spy(ex, monkeypatch)
+    monkeypatch.setattr(split_module, "select_heads", lambda *a: pytest.fail("layout work on a dense call"))
+    res = ex.attend(q, k, v, causal_layout(seq, 16), seq, scale=0.3, need_lse=False)
+    assert spy.dense == [(6, 2)] and spy.sparse == [] and res.lse is None
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
+    assert torch.equal(res.out, want)
+    # all heads routed full: the same single dense call
+    ls = STREAM["block"].build_layout(q, k, seq)
+    attend_routed(q, k, v, seq, ex, retrieval=FULL, sparse=STREAM["block"], hard=_hard([0, 0], 2, 6),
+                  layouts=(causal_layout(seq, 16), ls), scale=0.3)
+    assert spy.dense == [(6, 2), (6, 2)] and spy.sparse == []
+
+
+def test_contiguous_dense_heads_are_views_and_scattered_ones_are_gathered(monkeypatch):
+    q, k, v, seq = make_inputs((1, 8, 4, 64, 64, 16))
+    layouts = (FULL.build_layout(q, k, seq), STREAM["block"].build_layout(q, k, seq))
+    ex = SplitExecutor()
+    spy = _Spy(ex, monkeypatch)
+    ex.attend_routed(q, k, v, seq, hard=_hard([0, 0, 1, 1], 1, 8), layouts=layouts, scale=0.25, need_lse=False)
+    kd, vd = spy.dense_kv
+    assert kd._base is k and vd._base is v  # views of heads 0-1, no copy
+    ex.attend_routed(q, k, v, seq, hard=_hard([0, 1, 0, 1], 1, 8), layouts=layouts, scale=0.25, need_lse=False)
+    kd, _ = spy.dense_kv
+    assert kd._base is None and torch.equal(kd, k[:, [0, 2]])  # a gather of the dense group only
+    assert spy.dense == [(4, 2), (4, 2)]
+    # the sparse launch always sees every head (one kernel shape) with the dense heads' rows empty
+    for layout, dense_q in zip(spy.sparse, ([0, 1, 2, 3], [0, 1, 4, 5])):
+        assert layout.blocks.shape[1] == 8
+        assert not bool(layout.blocks[:, dense_q].any()) and bool(layout.blocks[:, 2].any() or layout.blocks[:, 7].any())
+    assert torch.equal(_take_heads(k, [1, 2, 3]), k[:, 1:4]) and _take_heads(k, [1, 2, 3])._base is k
+
+
+@pytest.mark.parametrize(
+    ("case", "why"),
+    [
+        ("different-routing", "samples routed differently"),
+        ("split-group", "a GQA group split between the layouts"),
+        ("decode", "not a plain prefill"),
+        ("lse", "log-sum-exp asked for"),
+    ],
+)
+def test_fallbacks_run_one_launch_and_stay_exact(case, why, monkeypatch):
+    if case == "decode":
+        q, k, v, seq = make_inputs((2, 8, 2, 1, 80, 16), kv_lens=[80, 53])
+    else:
+        q, k, v, seq = make_inputs((2, 8, 2, 70, 70, 16))
+    hard = _hard([0, 1], 2, 8)
+    if case == "different-routing":
+        hard[1] = ~hard[1]
+    if case == "split-group":
+        hard[:, 0] = True  # query head 0 sparse, the rest of its group full
+    layouts = (FULL.build_layout(q, k, seq), STREAM["token"].build_layout(q, k, seq))
+    ex = SplitExecutor()
+    assert ex.split_heads(q, k, seq, hard, layouts, case == "lse") is None, why
+    spy = _Spy(ex, monkeypatch)
+    got = ex.attend_routed(q, k, v, seq, hard=hard, layouts=layouts, scale=0.3, need_lse=case == "lse")
+    assert spy.dense == [] and len(spy.sparse) == 1  # one launch over the combined layout
+    ref = get_registry().get("executor", "reference")()
+    want = ref.attend(q, k, v, routed_layout(hard, layouts, seq), seq, scale=0.3)
+    rows = seq.query_valid()[:, None, :, None].expand_as(got.out)
+    assert rel_rms(got.out[rows], want.out[rows]) < TOLERANCE[torch.float32]
+    if case == "lse":
+        assert got.lse is not None
+        fin = torch.isfinite(want.lse) & seq.query_valid()[:, None, :]
+        assert torch.allclose(got.lse[fin], want.lse[fin], atol=1e-4)
+
+
+def test_the_gathered_path_computes_only_the_key_blocks_a_chunk_uses(monkeypatch):
+    """Streaming at 1,024 tokens (sink 64, local 128, blocks of 64): each 128-row chunk attends to
+    at most sink + local + chunk keys, not to every earlier key as the sdpa executor does."""
+    mode = make_mode("streaming", {"block_size": 64, "sink_tokens": 64, "local_tokens": 128})
+    q, k, v, seq = make_inputs((1, 4, 2, 1024, 1024, 16))
+    layout = mode.build_layout(q, k, seq)
+    widths = []
+    real = F.scaled_dot_product_attention
+
+    def counting(qq, kk, vv, **kw):
+        widths.append(kk.shape[2])
+        return real(qq, kk, vv, **kw)
+
+    monkeypatch.setattr(split_module.F, "scaled_dot_product_attention", counting)
+    ex = SplitExecutor(SplitConfig(query_chunk=128))
+    out = ex.attend(q, k, v, layout, seq, scale=0.25, need_lse=False).out
+    assert len(widths) == 1024 // 128 and max(widths) <= 64 + 128 + 128
+    monkeypatch.undo()
+    want = get_registry().get("executor", "reference")().attend(q, k, v, layout, seq, scale=0.25).out
+    assert rel_rms(out, want) < TOLERANCE[torch.float32]
+
+
+def test_gathered_path_rows_without_keys_give_zero_and_minus_inf():
+    q, k, v, seq = make_inputs((1, 2, 1, 40, 40, 8))
+    from elasticfw.attention.layout import BlockLayout
+
+    blocks = torch.zeros(1, 1, 3, 3, dtype=torch.bool)
+    blocks[0, 0, 2, 0] = True  # only the last row block computes key block 0
+    res = SplitExecutor().attend(q, k, v, BlockLayout(blocks, 16), seq, scale=0.3, need_lse=True)
+    assert torch.equal(res.out[:, :, :32], torch.zeros_like(res.out[:, :, :32]))
+    assert bool(torch.isneginf(res.lse[:, :, :32]).all()) and bool(torch.isfinite(res.lse[:, :, 32:]).all())
+
+
+def test_cuda_choices_on_a_cpu():
+    """The CUDA-only branches, as far as a CPU runs them: backend names, the priority context and
+    the sparse path chosen per device."""
+    from torch.nn.attention import SDPBackend
+
+    assert _sdpa_backends("auto")[0] == SDPBackend.CUDNN_ATTENTION and len(_sdpa_backends("auto")) == 4
+    assert _sdpa_backends("flash") == [SDPBackend.FLASH_ATTENTION]
+    q, k, v, _ = make_inputs((1, 4, 2, 32, 32, 16))
+    with _sdpa_context(_sdpa_backends("auto")):  # on a CPU the listed backends include one that runs
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    ex = SplitExecutor()
+    assert ex.sparse_path(torch.device("cuda")) == "flex" and ex.sparse_path(torch.device("cpu")) == "gathered"
+    assert SplitExecutor(SplitConfig(sparse="gathered")).sparse_path(torch.device("cuda")) == "gathered"
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        with pytest.raises(BackendUnavailableError, match="flash-attn"):
+            SplitExecutor._flash_attn(q, k, v, 0.25)
+
+
+def test_recipe_section_and_block_size_check():
+    elastic = validate_recipe_data({"elastic": {
+        "retrieval_mode": {"name": "full", "block_size": 64},
+        "sparse_mode": {"name": "streaming", "block_size": 64},
+        "executor": {"name": "split", "dense_backend": "cudnn", "flex": {"kernel_block_size": 128}},
+        "router": {"name": "fixed"},
+    }}).elastic
+    assert elastic.executor.flex.kernel_block_size == 128
+    with pytest.raises(ValueError, match="kernel_block_size"):
+        SplitConfig(flex={"kernel_block_size": 96}).check_layout_block_size(64)
+    SplitConfig(sparse="gathered", flex={"kernel_block_size": 96}).check_layout_block_size(64)
+
+
+def test_an_executor_without_the_hook_runs_routed_heads_in_one_launch():
+    """Third-party executors written before ``attend_routed`` existed keep working."""
+    calls = []
+
+    class OneLaunch(Executor):
+        name = "one_launch_test"
+        config_class = ExecutorConfig
+
+        def attend(self, q, k, v, layout, seq, *, scale, need_lse=True):
+            calls.append(layout)
+            return get_registry().get("executor", "reference")().attend(q, k, v, layout, seq, scale=scale)
+
+    q, k, v, seq = make_inputs((1, 4, 2, 50, 50, 8))
+    hard = _hard([0, 1], 1, 4)
+    layouts = (FULL.build_layout(q, k, seq), STREAM["block"].build_layout(q, k, seq))
+    res = OneLaunch().attend_routed(q, k, v, seq, hard=hard, layouts=layouts, scale=0.3, need_lse=False)
+    assert len(calls) == 1 and torch.equal(calls[0].blocks, routed_layout(hard, layouts, seq).blocks)
+    assert isinstance(res, AttentionOutput)
+
+
+def test_split_heads_refuses_a_wrong_routing_shape():
+    q, k, v, seq = make_inputs((1, 4, 2, 20, 20, 8))
+    layouts = (FULL.build_layout(q, k, seq), STREAM["block"].build_layout(q, k, seq))
+    from elasticfw.errors import UnsupportedInputError
+
+    with pytest.raises(UnsupportedInputError, match="hard must be"):
+        SplitExecutor().split_heads(q, k, seq, torch.zeros(1, 2, dtype=torch.bool), layouts, False)
+    assert SeqInfo.dense(1, 20, 20) is not None
+
+
+def test_attention_bench_times_and_checks_split(tmp_path):
+    """The GPU command's attention step on a CPU: split entries (alone and routed) and its routed
+    correctness rows against the reference, on a streaming config that is sparse at 192 tokens."""
+    import json
+
+    from elasticfw.bench import attention as bench
+
+    out = tmp_path / "a.json"
+    rc = bench.main(["--device", "cpu", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "16", "--dtype", "fp32",
+                     "--cpu-warmup", "0", "--cpu-iters", "1", "--seq", "192", "--check-seq", "192", "--no-backward",
+                     "--modes", "full", "streaming", "--set", "streaming.sink_tokens=16",
+                     "--set", "streaming.local_tokens=32", "--set", "streaming.block_size=16",
+                     "--executors", "flex", "split", "--msr", "0.5", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert rc == 0, data["failures"]
+    rows = {r["name"]: r for r in data["results"]}
+    for name in ("split:full", "split:streaming", "split:hybrid(full+streaming,msr=0.5)"):
+        assert rows[name]["ms"] > 0 and rows[name]["ratio_vs_sdpa_math"] > 0
+    for label in ("alone", "routed_first_full", "routed_scattered"):
+        assert rows[f"check:split:streaming:{label}"]["out_rel_rms"] < 2e-5

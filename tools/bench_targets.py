@@ -1,0 +1,175 @@
+"""Issue 10's figures in one command: the GPU benchmarks, the CPU demo timing, then targets.json.
+
+    python tools/bench_targets.py gpu --out results/bench/issue10          # on one H200, about 8-10 min
+    python tools/bench_targets.py gpu --steps attention --out ...          # or one step per call
+    python tools/bench_targets.py demo-cpu --out results/bench/issue10     # on a 2-core CPU, about 5 min
+    python tools/bench_targets.py targets --out results/bench/issue10      # targets.json from the JSONs there
+
+``gpu`` runs, each in its own process (one crash does not lose the others) and each writing its
+JSON under ``--out`` as it goes:
+
+1. ``attention_128k.json`` — ``python -m elasticfw.bench.attention --seq 131072 --executors flex
+   split --no-backward --check-seq 4096``: dense cuDNN / FlashAttention SDPA, every mode's
+   planning (layout) time and kernel through ``flex`` and ``split``, the FA-SSA hybrid (MSR
+   0.875) through both (``split`` through ``attend_routed``), after a correctness check of both
+   executors against the reference at 4,096 tokens (where sink 128 + local 2,048 is sparse).
+2. ``router.json`` — ``python -m elasticfw.bench.router --seq 8192 131072`` (32 layers).
+3. ``prefill.json`` — ``elasticfw bench prefill --model llama-3.1-8b --seq 32768 131072 --layers
+   4 --executors split flex --msr 0.875``: the model figures are *ratios* (best dense SDPA time /
+   elastic time) measured on the first 4 of the 32 layers of the Llama-3.1-8B shape. Every layer
+   has the same shape and cost, so the ratio of 4 layers differs from the ratio of 32 only by the
+   embedding and the one-token LM head (below 1% of a 32K prefill); ``--layers 32`` measures the
+   whole model (about 4x longer). ``--with-qwen`` adds the Qwen3-8B shape.
+
+then ``targets``. ``demo-cpu`` times the old CPU demo (``results/demo-cpu.json``: ``elasticfw
+compare`` on the embedded SmolLM2-135M, passkey at 1,440 tokens, 20 samples, batch 4, 8 new tokens;
+full attention vs every head streaming with sink 64 / local 256), ``--executor`` (default
+``split``, the old file used ``sdpa``), into ``demo_cpu.json``. ``targets`` reads every JSON under
+``--out`` (:func:`elasticfw.bench.targets.build_targets`) and writes ``targets.json``: copy a
+``demo_cpu.json`` measured on the CPU machine into the folder first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+#: the old demo recipe (elasticfw/recipes/demo.yaml before the router-training demo, d6381a6^)
+DEMO = {
+    "description": "Embedded demo: full vs all-streaming (passkey, ~1.5K tokens), timing",
+    "seed": 0,
+    "model": {"name": "smollm2-135m", "dtype": "float32", "device": "cpu"},
+    "elastic": {
+        "retrieval_mode": {"name": "full", "block_size": 64},
+        "sparse_mode": {"name": "streaming", "sink_tokens": 64, "local_tokens": 256, "block_size": 64},
+        "executor": {"name": "split"},
+    },
+    "eval": {"task": {"name": "passkey", "context_tokens": 1500, "num_samples": 20}, "batch_size": 4,
+             "max_new_tokens": 8},
+}
+VARIANTS = {"full": {"name": "fixed", "assign": "all_retrieval"}, "all-streaming": {"name": "fixed", "assign": "all_sparse"}}
+
+
+def _run(cmd: list[str], log: list[dict[str, Any]]) -> int:
+    print("[bench-targets] $ " + " ".join(cmd), flush=True)
+    start = time.perf_counter()
+    rc = subprocess.call(cmd)
+    log.append({"command": cmd, "returncode": rc, "seconds": time.perf_counter() - start})
+    print(f"[bench-targets] exit {rc} after {log[-1]['seconds']:.0f} s", flush=True)
+    return rc
+
+
+def gpu(args: argparse.Namespace) -> int:
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    log: list[dict[str, Any]] = []
+    layers = str(args.layers)
+    models = ["llama-3.1-8b", "qwen3-8b"] if args.with_qwen else ["llama-3.1-8b"]
+    steps = {
+        "attention": [py, "-m", "elasticfw.bench.attention", "--seq", "131072", "--executors", "flex", "split", "--no-backward",
+         "--check-seq", "4096", "--warmup-ms", "50", "--rep-ms", "300", "--overwrite",
+         "--out", str(out / "attention_128k.json")],
+        "router": [py, "-m", "elasticfw.bench.router", "--seq", "8192", "131072", "--reps", "20", "--out", str(out / "router.json")],
+        "prefill": [py, "-m", "elasticfw.cli", "bench", "prefill", "--model", *models, "--seq", "32768", "131072",
+         "--layers", layers, "--executors", "split", "flex", "--msr", "0.875", "--reps", "3", "--overwrite",
+         "--out", str(out / "prefill.json")],
+    }
+    codes = [_run(steps[name], log) for name in args.steps]
+    log_path = out / "commands.log.json"
+    previous = json.loads(log_path.read_text()) if log_path.exists() else []
+    log_path.write_text(json.dumps(previous + log, indent=2) + "\n")
+    targets(args)
+    return 0 if not any(codes) else 1
+
+
+def demo_cpu(args: argparse.Namespace) -> int:
+    import torch
+
+    from elasticfw.eval.generate import evaluate
+    from elasticfw.model.loading import load_model, make_elastic
+    from elasticfw.provenance import environment
+    from elasticfw.recipe import validate_recipe_data
+    from elasticfw.registry import get_registry
+
+    data = json.loads(json.dumps(DEMO))
+    data["elastic"]["executor"] = {"name": args.executor}
+    data["eval"]["task"]["num_samples"] = args.samples
+    recipe = validate_recipe_data(data)
+    registry = get_registry()
+    model, tokenizer = load_model(recipe.model)
+    task = registry.make("task", recipe.eval.task)
+    samples = task.samples(tokenizer, seed=recipe.seed)
+    rows = []
+    for label, router in VARIANTS.items():
+        section = validate_recipe_data({**data, "elastic": {**data["elastic"], "router": router}}).elastic
+        elastic = make_elastic(model, tokenizer, section, seed=recipe.seed)
+        try:
+            result = evaluate(elastic, tokenizer, task, samples, batch_size=recipe.eval.batch_size,
+                              max_new_tokens=recipe.eval.max_new_tokens, padding_side="left")
+        finally:
+            elastic.unwrap()
+        row = {"label": label, **result.summary(), "tokens": [r.tokens for r in result.results]}
+        rows.append(row)
+        print(f"[demo-cpu] {label}: {row['seconds']:.1f} s, accuracy {row['accuracy']:.2f}, ESR {row['esr']:.3f}",
+              flush=True)
+    secs = {r["label"]: r["seconds"] for r in rows}
+    report = {
+        "benchmark": "demo_cpu",
+        "executor": args.executor,
+        "recipe": data,
+        "threads": torch.get_num_threads(),
+        "environment": environment(torch.device("cpu")),
+        "rows": rows,
+        "all_streaming_over_full": secs["all-streaming"] / secs["full"],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / args.name
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"[demo-cpu] all-streaming / full = {report['all_streaming_over_full']:.3f}; wrote {path}")
+    return 0
+
+
+def targets(args: argparse.Namespace) -> int:
+    from elasticfw.bench.targets import write_targets
+
+    path, figures = write_targets(args.out)
+    for t in figures:
+        value = "missing" if t["value"] is None else f"{t['value']:.4g}"
+        print(f"[targets] {'met' if t['met'] else 'NOT met'}: {t['figure']} = {value} (target {t['target']:.4g}, "
+              f"{t['source'] or 'no source'})")
+    print(f"[targets] wrote {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("gpu", help="the GPU benchmarks, then targets.json")
+    g.add_argument("--out", type=Path, default=Path("results/bench/issue10"))
+    g.add_argument("--layers", type=int, default=4, help="decoder layers of the model prefill (of 32)")
+    g.add_argument("--with-qwen", action="store_true", help="also the Qwen3-8B shape in the prefill benchmark")
+    g.add_argument("--steps", nargs="+", choices=["attention", "router", "prefill"],
+                   default=["attention", "router", "prefill"],
+                   help="which benchmarks to run (one call each when a command has a time limit)")
+    g.set_defaults(func=gpu)
+    d = sub.add_parser("demo-cpu", help="the CPU demo timing (full vs all-streaming) into demo_cpu.json")
+    d.add_argument("--out", type=Path, default=Path("results/bench/issue10"))
+    d.add_argument("--name", default="demo_cpu.json")
+    d.add_argument("--executor", default="split")
+    d.add_argument("--samples", type=int, default=20)
+    d.set_defaults(func=demo_cpu)
+    t = sub.add_parser("targets", help="targets.json from the JSONs under --out")
+    t.add_argument("--out", type=Path, default=Path("results/bench/issue10"))
+    t.set_defaults(func=targets)
+    args = p.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
