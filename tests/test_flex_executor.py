@@ -466,3 +466,16 @@ def test_compiled_cpu_kernel_reads_the_block_lists():
             ref = _reference().attend(q, k, v, layout, seq, scale=0.35).out
         rows = seq.query_valid()[:, None, :, None].expand_as(out)
         assert rel_rms(out[rows], ref[rows]) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("field", "bad"),
+    [("bucket_steps_per_octave", -1), ("recompile_limit", 0), ("emulation_query_chunk", 0)],
+)
+def test_config_refuses_values_without_meaning(field, bad):
+    """Negative bucket steps, no recompile allowed, empty emulation chunks: refused at validation,
+    naming the field (a recipe with them would fail deep inside a run, or loop)."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=field):
+        FlexConfig(**{field: bad})

@@ -279,6 +279,14 @@ def test_fewshot_unknown_or_too_small_label_is_a_clear_error(tok: PreTrainedToke
         crowded.samples(tok, seed=0)
 
 
+def test_fewshot_split_too_small_for_the_context_is_a_clear_error(tok: PreTrainedTokenizerFast) -> None:
+    """Every example of two small packages together is far below a 1M-token context: the task says
+    so instead of returning prompts at a fraction of the length asked for."""
+    task = make("fewshot", num_samples=1, context_tokens=1_000_000, labels=["xml", "email"])
+    with pytest.raises(UnsupportedInputError, match="too few to fill context_tokens=1000000"):
+        task.samples(tok, seed=0)
+
+
 # -- summary ---------------------------------------------------------------------------------------
 
 

@@ -147,6 +147,34 @@ def init(args: argparse.Namespace) -> None:
     print(f"{len(items)} mutants in {len(modules)} modules; {len(items) - len(skipped)} pending")
 
 
+def annotation_spans(path: Path) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(start, end) positions of every annotation in a module. Under ``from __future__ import
+    annotations`` (every elasticfw module) annotations are strings never evaluated at run time, so
+    a mutant inside one is equivalent by construction (mutmut does not make them at all)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    if not any(isinstance(n, ast.ImportFrom) and n.module == "__future__" and
+               any(a.name == "annotations" for a in n.names) for n in tree.body):
+        return []
+    spans = []
+    for node in ast.walk(tree):
+        notes = []
+        if isinstance(node, ast.arg | ast.AnnAssign):
+            notes.append(node.annotation)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            notes.append(node.returns)
+        for note in notes:
+            if note is not None and note.end_lineno is not None and note.end_col_offset is not None:
+                spans.append(((note.lineno, note.col_offset), (note.end_lineno, note.end_col_offset)))
+    return spans
+
+
+def _in_annotation(mutation: object, spans: list) -> bool:
+    start, end = tuple(mutation.start_pos), tuple(mutation.end_pos)  # type: ignore[attr-defined]
+    return any(a <= start and end <= b for a, b in spans)
+
+
 def _covering_tests(line_tests: dict, rel: str, start: int, end: int) -> tuple[list[str], str]:
     """Tests whose context executed a line of ``[start, end]``; for a line executed only at import
     (a ``def`` line with a mutated default, a module constant) every test reaching the file."""
@@ -158,9 +186,24 @@ def _covering_tests(line_tests: dict, rel: str, start: int, end: int) -> tuple[l
     return whole, "file" if whole else "none"
 
 
+def _durations(work: Path, line_tests: dict) -> dict[str, float]:
+    """A cost per test id to run cheap tests first: seconds from ``durations.json`` when there is
+    one, else the number of measured lines the test executes (model-level tests execute many)."""
+    path = work / "durations.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    cost: dict[str, float] = {}
+    for lines in line_tests.values():
+        for ids in lines.values():
+            for t in ids:
+                cost[t] = cost.get(t, 0.0) + 1.0
+    return cost
+
+
 def run(args: argparse.Namespace) -> None:
     from cosmic_ray.mutating import mutate_and_test
     from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
     work = Path(args.work).resolve()
     shard, shards = (int(x) for x in args.shard.split("/"))
     tree, links = _trees(work, shard)
@@ -171,6 +214,8 @@ def run(args: argparse.Namespace) -> None:
         links.mkdir(exist_ok=True)
         (links / "elasticfw_plugins").symlink_to(tree / "plugins")
     line_tests = json.loads((work / "line_tests.json").read_text())
+    durations = _durations(work, line_tests)
+    spans: dict[str, list] = {}
     os.environ.update(_env(work, shard))
     os.chdir(tree)
     with use_db(str(work / "session.sqlite"), WorkDB.Mode.open) as db:
@@ -180,12 +225,22 @@ def run(args: argparse.Namespace) -> None:
             rel = _relative(str(mutation.module_path), work) or str(mutation.module_path)
             if shard:
                 item = attrs.evolve(item, mutations=(attrs.evolve(mutation, module_path=tree / rel),))
+            if rel not in spans:
+                spans[rel] = annotation_spans(tree / rel)
+            if _in_annotation(mutation, spans[rel]):
+                db.set_result(item.job_id, WorkResult(output="equivalent: inside an annotation, never evaluated",
+                                                      worker_outcome=WorkerOutcome.SKIPPED))
+                print(f"[{n + 1}/{len(pending)}] {rel}:{mutation.start_pos[0]} {mutation.operator_name} -> "
+                      "equivalent (annotation)", flush=True)
+                continue
             tests, how = _covering_tests(line_tests, rel, mutation.start_pos[0], mutation.end_pos[0])
             started = time.time()
             if not tests:
                 # no test executes the line: the mutant survives; applied anyway for its diff
                 result = mutate_and_test(item.mutations, f"{shlex.quote(sys.executable)} -c pass", 60)
             else:
+                # fastest first: with -x a mutant dies at its first failing test
+                tests = sorted(tests, key=lambda t: durations.get(t, 1.0))
                 command = shlex.join([sys.executable, "-m", "pytest", *PYTEST.split(), *tests])
                 result = mutate_and_test(item.mutations, command, args.timeout)
             db.set_result(item.job_id, result)
@@ -194,45 +249,126 @@ def run(args: argparse.Namespace) -> None:
                   f"-> {outcome} ({how}, {len(tests)} tests, {time.time() - started:.0f} s)", flush=True)
 
 
-def report(args: argparse.Namespace) -> None:
+def recheck(args: argparse.Namespace) -> None:
+    """Survivors of the session against a later commit's tests: each survivor's diff applied to a
+    worktree of ``--commit`` and the test *files* that reached it (plus ``--also`` files) run with
+    ``-x``; results in ``recheck.json`` (the session keeps the first run's outcomes)."""
     from cosmic_ray.work_db import WorkDB, use_db
-    from cosmic_ray.work_item import TestOutcome, WorkerOutcome
 
     work = Path(args.work).resolve()
-    equivalent = set(json.loads(Path(args.equivalent).read_text())) if args.equivalent else set()
+    shard, shards = (int(x) for x in args.shard.split("/"))
+    tree = work / f"recheck-{args.name}-{shard}"  # one worktree and one result file per shard
+    links = work / f"recheck-{args.name}-{shard}-links"
+    if not tree.exists():
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), args.commit], check=True)
+        links.mkdir(exist_ok=True)
+        (links / "elasticfw_plugins").symlink_to(tree / "plugins")
+    line_tests = json.loads((work / "line_tests.json").read_text())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(links)]), "PYTHONDONTWRITEBYTECODE": "1"}
+    out_path = work / f"recheck-{args.name}-{shard}.json"
+    done = json.loads(out_path.read_text()) if out_path.exists() else {}
+    with use_db(str(work / "session.sqlite"), WorkDB.Mode.open) as db:
+        survivors = [(item, result) for item, result in db.completed_work_items
+                     if result.test_outcome is not None and result.test_outcome.value == "survived"]
+    patches = json.loads(Path(args.patches).read_text()) if args.patches else {}
+    for item, result in sorted(survivors, key=lambda ir: ir[0].job_id)[shard::shards]:
+        if item.job_id in done:
+            continue
+        (m,) = item.mutations
+        rel = _relative(str(m.module_path), work) or str(m.module_path)
+        diff = patches.get(item.job_id, result.diff or "")
+        tests, _ = _covering_tests(line_tests, rel, m.start_pos[0], m.end_pos[0])
+        files = sorted({t.split("::")[0] for t in tests} | set(args.also))
+        applied = subprocess.run(["git", "-C", str(tree), "apply", "-p1", "--recount", "-"], input=_git_diff(diff, rel),
+                                 text=True, capture_output=True)
+        if applied.returncode != 0:
+            done[item.job_id] = {"file": rel, "line": m.start_pos[0], "outcome": "does-not-apply",
+                                 "error": applied.stderr[-500:]}
+        else:
+            started = time.time()
+            try:
+                proc = subprocess.run([sys.executable, "-m", "pytest", *PYTEST.split(), *files], cwd=tree, env=env,
+                                      capture_output=True, text=True, timeout=args.timeout)
+                outcome = "killed" if proc.returncode != 0 else "survived"
+                tail = proc.stdout[-800:]
+            except subprocess.TimeoutExpired:
+                outcome, tail = "killed", "timeout"
+            finally:
+                subprocess.run(["git", "-C", str(tree), "checkout", "--", "."], check=True)
+            done[item.job_id] = {"file": rel, "line": m.start_pos[0], "outcome": outcome, "files": files,
+                                 "seconds": round(time.time() - started), "tail": tail}
+        out_path.write_text(json.dumps(done, indent=1))
+        print(f"{rel}:{m.start_pos[0]} {item.job_id} -> {done[item.job_id]['outcome']}", flush=True)
+
+
+def _git_diff(diff: str, rel: str) -> str:
+    """Cosmic Ray's unified diff (absolute paths in its headers) with ``a/rel`` / ``b/rel`` headers."""
+    body = [ln for ln in diff.splitlines() if not ln.startswith(("--- ", "+++ "))]
+    return "\n".join([f"--- a/{rel}", f"+++ b/{rel}", *body]) + "\n"
+
+
+def report(args: argparse.Namespace) -> None:
+    """Score before (the session) and after (``recheck`` results, when present), equivalents with
+    their reasons (``--equivalent`` JSON {job id: reason}), every survivor left with its reason
+    (``--notes`` JSON {job id: reason}) and diff."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome
+
+    work = Path(args.work).resolve()
+    equivalent: dict[str, str] = json.loads(Path(args.equivalent).read_text()) if args.equivalent else {}
+    notes: dict[str, str] = json.loads(Path(args.notes).read_text()) if args.notes else {}
+    after: dict[str, dict] = {}
+    for path in sorted(work.glob("recheck-after-*.json")):
+        after.update(json.loads(path.read_text()))
     rows = []
     with use_db(str(work / "session.sqlite"), WorkDB.Mode.open) as db:
         for item, result in db.completed_work_items:
-            if result.worker_outcome == WorkerOutcome.SKIPPED:
-                continue
             (m,) = item.mutations
-            rows.append({
-                "job_id": item.job_id, "file": _relative(str(m.module_path), work) or str(m.module_path),
-                "line": m.start_pos[0], "operator": m.operator_name, "occurrence": m.occurrence,
-                "outcome": (result.test_outcome.value if result.test_outcome else result.worker_outcome.value),
-                "killed": bool(result.is_killed), "diff": result.diff or "",
-            })
-    tested = [r for r in rows if r["outcome"] != "no-test"]
-    counted = [r for r in tested if r["job_id"] not in equivalent]
-    killed = sum(r["killed"] for r in counted)
-    survivors = [r for r in counted if not r["killed"]]
+            row = {"job_id": item.job_id, "file": _relative(str(m.module_path), work) or str(m.module_path),
+                   "line": m.start_pos[0], "operator": m.operator_name, "diff": result.diff or ""}
+            if result.worker_outcome == WorkerOutcome.SKIPPED:
+                if (result.output or "").startswith("equivalent"):  # judged at run time (annotations)
+                    equivalent.setdefault(item.job_id, result.output)
+                    rows.append({**row, "outcome": "equivalent-not-run"})
+                continue
+            outcome = result.test_outcome.value if result.test_outcome else result.worker_outcome.value
+            rows.append({**row, "outcome": outcome, "after": after.get(item.job_id, {}).get("outcome")})
+    run = [r for r in rows if r["outcome"] in ("killed", "survived", "incompetent")]
+    counted = [r for r in run if r["job_id"] not in equivalent]
+    killed_before = sum(r["outcome"] != "survived" for r in counted)
+    killed_after = sum(r["outcome"] != "survived" or r["after"] == "killed" for r in counted)
+    left = [r for r in counted if r["outcome"] == "survived" and r["after"] != "killed"]
+    newly = [r for r in counted if r["outcome"] == "survived" and r["after"] == "killed"]
+    eq_rows = [r for r in rows if r["job_id"] in equivalent]
     summary = {
         "session": json.loads((work / "session.json").read_text()),
-        "tested": len(tested), "equivalent_excluded": sorted(equivalent & {r["job_id"] for r in tested}),
-        "counted": len(counted), "killed": killed,
-        "score": killed / len(counted) if counted else None,
-        "survivors": survivors, "incompetent": [r for r in counted if r["outcome"] == TestOutcome.INCOMPETENT.value],
+        "run": len(run), "equivalent": len(eq_rows), "counted": len(counted),
+        "killed_before": killed_before, "score_before": killed_before / len(counted) if counted else None,
+        "killed_after": killed_after, "score_after": killed_after / len(counted) if counted and after else None,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps({**summary, "rows": rows}, indent=1))
-    lines = [f"# Mutation run: {killed}/{len(counted)} killed ({100 * (summary['score'] or 0):.1f}%)", "",
-             f"{len(tested)} mutants tested, {len(summary['equivalent_excluded'])} equivalent excluded.", "",
-             "## Survivors", ""]
-    for r in survivors:
-        lines += [f"### {r['file']}:{r['line']} `{r['operator']}` ({r['job_id']})", "", "```diff", r["diff"].strip(), "```", ""]
+    (out / "report.json").write_text(json.dumps({**summary, "equivalent_reasons": equivalent,
+                                                 "survivor_reasons": notes, "rows": rows}, indent=1))
+    pct = lambda x: f"{100 * x:.1f}%" if x is not None else "n/a"  # noqa: E731
+    lines = [
+        "# Mutation run", "",
+        f"- sample: {summary['session']['sample']} of {summary['session']['mutants']} mutants (seed "
+        f"{summary['session']['seed']}); {len(run)} run, {len(eq_rows)} equivalent (excluded), {len(counted)} counted",
+        f"- **before** (the suite at the session's commit): {killed_before}/{len(counted)} killed ({pct(summary['score_before'])})",
+        f"- **after** (survivors re-run against the new tests): {killed_after}/{len(counted)} killed "
+        f"({pct(summary['score_after'])})", "",
+        "## Equivalent mutants (excluded)", "",
+        *[f"- `{r['file']}:{r['line']}` {r['operator']} ({r['job_id'][:8]}): {equivalent[r['job_id']]}" for r in eq_rows],
+        "", "## Killed by the new tests", "",
+        *[f"- `{r['file']}:{r['line']}` {r['operator']} ({r['job_id'][:8]})" for r in newly],
+        "", "## Survivors left", "",
+    ]
+    for r in left:
+        lines += [f"### `{r['file']}:{r['line']}` {r['operator']} ({r['job_id'][:8]})", "",
+                  notes.get(r["job_id"], "(no reason given)"), "", "```diff", r["diff"].strip(), "```", ""]
     (out / "report.md").write_text("\n".join(lines))
-    print(lines[0])
+    print("\n".join(lines[2:6]))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -260,10 +396,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shard", default="0/1", help="K/N: this process takes every N-th pending mutant from the K-th, "
                    "in its own worktree (run N processes at once on N cores)")
     p.set_defaults(fn=run)
+    p = sub.add_parser("recheck", help="the session's survivors against a later commit's tests")
+    p.add_argument("--work", required=True)
+    p.add_argument("--commit", default="HEAD")
+    p.add_argument("--name", default="after")
+    p.add_argument("--also", nargs="*", default=[], help="test files run for every survivor besides those reaching it")
+    p.add_argument("--patches", help="JSON {job id: diff} for mutants whose code moved since the session's commit")
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--shard", default="0/1")
+    p.set_defaults(fn=recheck)
     p = sub.add_parser("report", help="score and survivors (Markdown + JSON)")
     p.add_argument("--work", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--equivalent", help="JSON list of job ids judged equivalent (excluded from the score)")
+    p.add_argument("--equivalent", help="JSON {job id: reason} of mutants judged equivalent (excluded from the score)")
+    p.add_argument("--notes", help="JSON {job id: reason} for the survivors left")
     p.set_defaults(fn=report)
     args = parser.parse_args(argv)
     args.fn(args)
