@@ -1,5 +1,5 @@
-"""GPU-only checks (skipped without CUDA): the compiled FlexAttention executor inside elastic
-models, against the reference executor and the unmodified model."""
+"""GPU-only checks (skipped without CUDA): the compiled FlexAttention and split executors inside
+elastic models, against the reference executor and the unmodified model; the compact KV cache."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def test_flex_full_routing_matches_unmodified_model(family):
 )
 def test_flex_mixed_routing_matches_reference_and_generates(sparse):
     outs = {}
-    for executor in ("reference", "flex"):
+    for executor in ("reference", "flex", "split"):
         model = tiny_model("qwen3").cuda()
         elastic = ElasticModel(model, section(MIXED, {"name": executor}, sparse))
         ids, mask = left_padded([640, 333], "cuda")
@@ -75,6 +75,23 @@ def test_flex_mixed_routing_matches_reference_and_generates(sparse):
             uncached = elastic.generate(use_cache=False, **kwargs)
         assert torch.equal(cached, uncached), executor
     assert rel_rms(outs["flex"], outs["reference"]) < 1e-4
+    assert rel_rms(outs["split"], outs["reference"]) < 1e-4
+
+
+@pytest.mark.parametrize("router", [{"name": "fixed", "assign": "all_sparse"}, MIXED], ids=["all_streaming", "mixed"])
+def test_compact_kv_cache_generates_what_the_full_cache_does(router):
+    """Greedy tokens with the compact KV cache (streaming heads keep sink + window) equal those
+    of transformers' full dynamic cache on the GPU, left-padded prompts longer than sink + window."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ids, mask = left_padded([700, 300], "cuda")
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    outs = {}
+    for kv_cache in ("full", "compact"):
+        data = {**MODES, "router": router, "executor": {"name": "sdpa"}, "kv_cache": kv_cache}
+        elastic = ElasticModel(tiny_model("llama").cuda(), validate_recipe_data({"elastic": data}).elastic)
+        with torch.no_grad():
+            outs[kv_cache] = elastic.generate(**kwargs)
+    assert torch.equal(outs["full"], outs["compact"])
 
 
 def test_flex_training_step_bf16():

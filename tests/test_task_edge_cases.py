@@ -56,9 +56,10 @@ def test_window_start_stays_at_the_token_when_no_line_start_is_within_five_perce
 
 
 def test_not_utf8_error_quotes_the_offending_bytes(tmp_path: Path) -> None:
-    # byte 5 (0-based) on line 2 is 0xE9 (Latin-1 "é"), not UTF-8; the message quotes the 4 bytes from there
+    # byte 5 (0-based) on line 2 is 0xE9 (Latin-1 "é"), not UTF-8; the message quotes the 4 bytes
+    # from there, not the rest of the file
     path = tmp_path / "latin1.jsonl"
-    path.write_bytes(b'ab\ncd\xe9fg\n')
+    path.write_bytes(b'ab\ncd\xe9fg\nhijklmnopqrstuvwxyz\n')
     with pytest.raises(UnsupportedInputError) as info:
         read_local(path, "jsonl")
     assert "not UTF-8 text (byte 5, line 2: b'\\xe9fg\\n'); convert the file to UTF-8" in str(info.value)

@@ -271,16 +271,17 @@ def recheck(args: argparse.Namespace) -> None:
         survivors = [(item, result) for item, result in db.completed_work_items
                      if result.test_outcome is not None and result.test_outcome.value == "survived"]
     patches = json.loads(Path(args.patches).read_text()) if args.patches else {}
+    skip = {job for path in args.skip for job in json.loads(Path(path).read_text())}
     for item, result in sorted(survivors, key=lambda ir: ir[0].job_id)[shard::shards]:
-        if item.job_id in done:
+        if item.job_id in done or item.job_id in skip or (args.only and item.job_id not in args.only):
             continue
         (m,) = item.mutations
         rel = _relative(str(m.module_path), work) or str(m.module_path)
         diff = patches.get(item.job_id, result.diff or "")
         tests, _ = _covering_tests(line_tests, rel, m.start_pos[0], m.end_pos[0])
         files = sorted({t.split("::")[0] for t in tests} | set(args.also))
-        applied = subprocess.run(["git", "-C", str(tree), "apply", "-p1", "--recount", "-"], input=_git_diff(diff, rel),
-                                 text=True, capture_output=True)
+        applied = subprocess.run(["git", "-C", str(tree), "apply", "-p1", "--recount", "--unidiff-zero", "-"],
+                                 input=_git_diff(diff, rel), text=True, capture_output=True)
         if applied.returncode != 0:
             done[item.job_id] = {"file": rel, "line": m.start_pos[0], "outcome": "does-not-apply",
                                  "error": applied.stderr[-500:]}
@@ -318,7 +319,7 @@ def report(args: argparse.Namespace) -> None:
     equivalent: dict[str, str] = json.loads(Path(args.equivalent).read_text()) if args.equivalent else {}
     notes: dict[str, str] = json.loads(Path(args.notes).read_text()) if args.notes else {}
     after: dict[str, dict] = {}
-    for path in sorted(work.glob("recheck-after-*.json")):
+    for path in sorted(work.glob("recheck-*.json")):  # later names (after2-...) override earlier ones
         after.update(json.loads(path.read_text()))
     rows = []
     with use_db(str(work / "session.sqlite"), WorkDB.Mode.open) as db:
@@ -404,6 +405,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--patches", help="JSON {job id: diff} for mutants whose code moved since the session's commit")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--shard", default="0/1")
+    p.add_argument("--skip", nargs="*", default=[], help="JSON files whose keys are job ids not to recheck "
+                   "(the equivalent and the explained survivors)")
+    p.add_argument("--only", nargs="*", default=[], help="recheck only these job ids")
     p.set_defaults(fn=recheck)
     p = sub.add_parser("report", help="score and survivors (Markdown + JSON)")
     p.add_argument("--work", required=True)
