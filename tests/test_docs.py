@@ -21,20 +21,14 @@ import difflib
 import importlib.util
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from foundation_helpers import make_distribution
+from example_packages import install_example, listed_modes, run_example_tests
 
 from elasticfw.recipe import load_recipe
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    tomllib = pytest.importorskip("tomli")
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -152,36 +146,17 @@ def test_relative_links_resolve() -> None:
 @pytest.fixture(scope="module")
 def example_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The example package as an installed distribution: put the returned folder on PYTHONPATH."""
-    project = tomllib.loads((EXAMPLE / "pyproject.toml").read_text(encoding="utf-8"))["project"]
-    entry_points = project["entry-points"]["elasticfw"]
-    package_dir = EXAMPLE / "src" / "elasticfw_example_mode"
-    modules = sorted(p.name for p in package_dir.glob("*.py"))
-    assert modules == ["__init__.py"], f"the example package must stay one module, found {modules}"
-    source = (package_dir / "__init__.py").read_text(encoding="utf-8")
-    return make_distribution(
-        tmp_path_factory.mktemp("site"), package_dir.name, project["name"], source, entry_points
-    )
+    return install_example(EXAMPLE, tmp_path_factory.mktemp("site"))
 
 
 def test_example_plugin_is_listed(example_site: Path, tmp_path: Path) -> None:
-    script = Path(sys.executable).parent / "elasticfw"
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "elasticfw.cli"]
-    result = run([*command, "plugins", "--kind", "sparse_mode"], cwd=tmp_path, pythonpath=example_site)
-    assert result.returncode == 0, result.stderr
-    rows = {line.split()[0]: line for line in result.stdout.splitlines() if " from " in line}
-    assert "strided" in rows, result.stdout
+    rows = listed_modes(example_site, tmp_path)
+    assert "strided" in rows, rows
     assert "from elasticfw-example-mode" in rows["strided"], rows["strided"]
 
 
 def test_example_plugin_passes_its_conformance_tests(example_site: Path, tmp_path: Path) -> None:
-    work = tmp_path / "elasticfw-example-mode"
-    shutil.copytree(EXAMPLE, work, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "build", ".pytest_cache"))
-    shutil.rmtree(work / "src")  # the tests must find the plugin through its entry point only
-    result = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=work, pythonpath=example_site)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
-    passed = re.search(r"(\d+) passed", output)
-    assert passed is not None and int(passed.group(1)) >= 10, output
+    run_example_tests(EXAMPLE, example_site, tmp_path, at_least=10, no_skips=False)
 
 
 # -- the documentation site ------------------------------------------------------------------------
