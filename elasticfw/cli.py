@@ -35,6 +35,7 @@ from typing import Any
 
 import yaml
 
+from elasticfw.atomic import atomic_write_text
 from elasticfw.errors import ElasticError
 
 _OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*(\.[A-Za-z0-9_\-]+)*=")
@@ -123,7 +124,10 @@ def _cmd_resolve(args: argparse.Namespace) -> int:
     if args.output is None:
         print(text, end="")
         return 0
-    Path(args.output).write_text(text, encoding="utf-8")
+    out = Path(args.output)
+    if out.exists() and not args.overwrite:
+        raise ElasticError(f"recipe resolve: {str(out)!r} exists; pass --overwrite to replace it")
+    atomic_write_text(out, text)  # a reader never sees half a recipe
     print(f"wrote {args.output}: {args.file} with its bases merged in")
     return 0
 
@@ -252,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rp.add_argument("file", help="the recipe (a path, or elasticfw:NAME for a recipe shipped with elasticfw)")
     rp.add_argument("overrides", nargs="*", help="dotted.key=value, written into the result")
-    rp.add_argument("-o", "--output", help="the file to write (replaced if it exists; default: standard output)")
+    rp.add_argument("-o", "--output", help="the file to write (default: standard output)")
+    rp.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     rp.set_defaults(func=_cmd_resolve)
     rp = rsub.add_parser("schema", help="JSON schema of recipes (with the installed plugins)")
     rp.set_defaults(func=_cmd_schema)

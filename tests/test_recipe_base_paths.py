@@ -210,3 +210,13 @@ def test_resolve_refuses_an_invalid_recipe_and_writes_nothing(tmp_path: Path, ca
     out = tmp_path / "out.yaml"
     assert main(["recipe", "resolve", str(recipe), "-o", str(out)]) == 2
     assert "`base` file 'nothere.yaml' does not exist" in capsys.readouterr().err and not out.exists()
+
+
+def test_resolve_never_replaces_a_file_unless_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    recipe = write(tmp_path / "r.yaml", "seed: 3\n")
+    out = write(tmp_path / "out.yaml", "mine: 1\n")
+    assert main(["recipe", "resolve", str(recipe), "-o", str(out)]) == 2
+    assert "exists; pass --overwrite" in capsys.readouterr().err
+    assert out.read_text(encoding="utf-8") == "mine: 1\n"
+    assert main(["recipe", "resolve", str(recipe), "-o", str(out), "--overwrite"]) == 0
+    assert read_yaml(out) == {"seed": 3} and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
