@@ -116,3 +116,15 @@ def test_cli_bench_router_and_targets(tmp_path, capsys):
     router = _by_figure(json.loads((tmp_path / "targets.json").read_text()))["router, all layers, per layer"]
     assert router["source"] == "router.json" and router["value"] > 0
     assert "router, all layers, per layer" in capsys.readouterr().out
+
+
+def test_a_prefill_run_of_another_model_answers_no_figure():
+    """The issue's model figures are Llama-3.1-8B's: a Qwen3-8B run in the folder (sorted after the
+    Llama one) must not replace them."""
+    llama = {"benchmark": "elasticfw.bench.prefill", "models": {"llama-3.1-8b": {}}, "results": [
+        {"model": "llama-3.1-8b", "seq": 131072, "variant": "elastic:split:msr=0", "speedup": 0.99, "error": None}]}
+    qwen = {"benchmark": "elasticfw.bench.prefill", "models": {"qwen3-8b": {}}, "results": [
+        {"model": "qwen3-8b", "seq": 131072, "variant": "elastic:split:msr=0", "speedup": 0.5, "error": None}]}
+    (entry,) = [t for t in build_targets({"a.json": llama, "b.json": qwen}) if t["figure"].startswith(
+        "model prefill @128K, MSR 0")]
+    assert (entry["value"], entry["source"], entry["met"]) == (0.99, "a.json", True)

@@ -15,7 +15,7 @@ recognised by its content:
   ``flex:`` rows, against ``1.15 × (1 − ESR)
   + planning target`` with the layout's mean ESR.
 * ``elasticfw.bench.prefill``: model speed-ups (``speedup``: best dense time / elastic time) of
-  the ``split`` executor on ``llama-3.1-8b`` (first model present otherwise), ``elastic:split:msr=0``
+  the ``split`` executor on ``llama-3.1-8b`` (runs of other models answer none), ``elastic:split:msr=0``
   and ``elastic:split:fa-ssa:msr=0.875``, at 131072 and 32768 tokens.
 * ``router_overhead`` (elasticfw.bench.router): ``router_per_layer_ms`` at the longest sequence.
 * the CPU demo (``"benchmark": "demo_cpu"``, or any JSON with ``rows`` labelled ``full`` and
@@ -109,8 +109,7 @@ def _attention(data: dict[str, Any]) -> dict[str, float | None]:
 
 def _prefill(data: dict[str, Any]) -> dict[str, float | None]:
     rows = [r for r in data.get("results", []) if r.get("error") is None and r.get("speedup") is not None]
-    models = list(data.get("models", {}))
-    model = "llama-3.1-8b" if "llama-3.1-8b" in models else (models[0] if models else None)
+    model = "llama-3.1-8b"  # the figures are of this shape; another model's run answers none of them
 
     def speedup(variant: str, seq: int) -> float | None:
         for r in rows:
