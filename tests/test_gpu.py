@@ -8,7 +8,7 @@ import torch
 
 from elasticfw.model.elastic import ElasticModel
 from elasticfw.recipe import validate_recipe_data
-from elasticfw.testing.models import FAMILIES, tiny_model
+from elasticfw.testing.models import FAMILIES, padded_batch, tiny_model
 from elasticfw.testing.modes import rel_rms
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -28,15 +28,7 @@ def section(router, executor, sparse=None):
 
 
 def left_padded(lengths, device):
-    g = torch.Generator().manual_seed(0)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, width - n :] = torch.randint(3, 250, (n,), generator=g)
-        mask[i, width - n :] = 1
-    return ids.to(device), mask.to(device)
-
+    return padded_batch(lengths, side="left", seed=0, device=device)
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_flex_full_routing_matches_unmodified_model(family):

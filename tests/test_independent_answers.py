@@ -37,6 +37,7 @@ from elasticfw.attention.seq import SeqInfo
 from elasticfw.model.elastic import ElasticModel
 from elasticfw.recipe import validate_recipe_data
 from elasticfw.routing.base import RouterDecision
+from elasticfw.testing import models
 from elasticfw.testing.models import FAMILIES, tiny_model
 from elasticfw.testing.modes import ModeConformance
 from elasticfw_plugins.routers.mlp import boundary_pool
@@ -91,15 +92,7 @@ def make_elastic(case: str, granularity: str, executor: str, router: dict | None
 
 
 def padded_batch(lengths: list[int], side: str, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        sl = slice(width - n, width) if side == "left" else slice(0, n)
-        ids[i, sl], mask[i, sl] = torch.randint(3, 250, (n,), generator=g), 1
-    return ids, mask
-
+    return models.padded_batch(lengths, side=side, seed=seed)
 
 def record(elastic: ElasticModel, ids: torch.Tensor, mask: torch.Tensor) -> dict[int, dict[str, Any]]:
     """Forward, recording per layer the q/k/v/scale transformers passes to elasticfw and the

@@ -20,7 +20,7 @@ from elasticfw.model.kv_cache import ElasticKVCache, ElasticKVLayer
 from elasticfw.recipe import validate_recipe_data
 from elasticfw.registry import get_registry
 from elasticfw.routing.base import RouterDecision
-from elasticfw.testing.models import FAMILIES, tiny_model
+from elasticfw.testing.models import FAMILIES, padded_batch, tiny_model
 
 SINK, LOCAL, BS = 16, 32, 16
 FULL = {"name": "full", "block_size": BS}
@@ -41,15 +41,7 @@ def section(router: dict, kv_cache: str = "full", sparse: dict | None = None, re
 
 
 def left_padded(lengths: list[int], seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, width - n :] = torch.randint(3, 250, (n,), generator=g)
-        mask[i, width - n :] = 1
-    return ids, mask
-
+    return padded_batch(lengths, side="left", seed=seed)
 
 def per_sample_router(elastic: ElasticModel, table: torch.Tensor) -> None:
     """Route sample b, routed layer l, KV head h to sparse iff ``table[b, l, h]`` (differs per sample)."""

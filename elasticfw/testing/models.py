@@ -72,3 +72,20 @@ def tiny_model(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(4.0)
     return model.eval()
+
+
+def padded_batch(
+    lengths: list[int], *, side: str = "left", seed: int = 0, device: str | torch.device = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token ids (3..249, valid for every tiny model) of the given lengths, padded with id 0
+    on ``side`` ("left" or "right") to the longest, and their attention mask (1 on real tokens)."""
+    if side not in ("left", "right"):
+        raise ValueError(f"padded_batch: side must be 'left' or 'right', got {side!r}")
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        sl = slice(width - n, width) if side == "left" else slice(0, n)
+        ids[i, sl], mask[i, sl] = torch.randint(3, 250, (n,), generator=g), 1
+    return ids.to(device), mask.to(device)
