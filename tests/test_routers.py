@@ -140,3 +140,31 @@ def test_boundary_pooling_fast_path_equals_definition():
     padded = torch.cat([keys, torch.full((2, 3, 7, 4), 1e4)], dim=2)
     slow = boundary_pool(padded, SeqInfo.from_lengths(torch.tensor([50, 50]), 57, 57), pool_tokens=8)
     assert torch.allclose(slow, expected, atol=1e-5)
+
+
+def test_mlp_router_tie_goes_to_the_retrieval_mode_and_bf16_keys_pool_in_float32():
+    router = MLPRouter(MLPRouterConfig(pool_tokens=4), HEADS).eval()
+    last = router.layers[1].router_mlp[-1]
+    with torch.no_grad():  # equal logits for every input: P(sparse) = 0.5 exactly
+        last.weight.zero_()
+        last.bias.zero_()
+    keys = torch.randn(2, 2, 20, 8)
+    d = router.decide(1, keys, SeqInfo.dense(2, 20, 20))
+    assert torch.equal(d.prob_sparse, torch.full((2, 2), 0.5)) and torch.equal(d.sparse, torch.zeros(2, 2))
+    # bf16 keys: pooled sums accumulate in float32 (the definition, computed from float32 keys)
+    k16 = (torch.randn(1, 2, 4000, 8) * 3 + 1).to(torch.bfloat16)
+    got = boundary_pool(k16, SeqInfo.dense(1, 4000, 4000), pool_tokens=100)
+    want = torch.cat([k16[:, :, :100], k16[:, :, -100:]], dim=2).float().mean(2)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_seqinfo_keys_unpadded_reads_the_lengths_or_trusts_the_caller():
+    assert SeqInfo.from_lengths(torch.tensor([5, 5]), 5, 5).keys_unpadded()
+    assert not SeqInfo.from_lengths(torch.tensor([5, 4]), 4, 5).keys_unpadded()
+    assert not SeqInfo.from_lengths(torch.tensor([5, 5]), 5, 6).keys_unpadded()  # capacity beyond every sample
+    assert SeqInfo.dense(2, 3, 7).keys_unpadded()
+    # a caller that knows says so, and is believed without a device read (meta tensors cannot be read)
+    meta = torch.zeros(1, dtype=torch.long, device="meta")
+    assert SeqInfo.trusted(meta, meta, 3, 7, keys_unpadded=True).keys_unpadded()
+    with pytest.raises(RuntimeError):
+        SeqInfo.trusted(meta, meta, 3, 7).keys_unpadded()

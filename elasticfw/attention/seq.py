@@ -73,15 +73,22 @@ class SeqInfo:
 
     # -- constructors ----------------------------------------------------------------------
     @classmethod
-    def trusted(cls, q_start: torch.Tensor, kv_len: torch.Tensor, q_len: int, kv_capacity: int) -> SeqInfo:
+    def trusted(
+        cls, q_start: torch.Tensor, kv_len: torch.Tensor, q_len: int, kv_capacity: int, *, keys_unpadded: bool | None = None
+    ) -> SeqInfo:
         """Construct without the value check, which reads the device (a synchronisation per call
         that costs decode steps on a GPU): for callers whose values are valid by construction,
-        computed from integers they checked on the host. Types, shapes and devices are still checked."""
+        computed from integers they checked on the host. Types, shapes and devices are still checked.
+        ``keys_unpadded``, when the caller knows it, is what :meth:`keys_unpadded` will answer
+        without reading the device."""
         token = _TRUSTED.set(True)
         try:
-            return cls(q_start, kv_len, q_len, kv_capacity)
+            seq = cls(q_start, kv_len, q_len, kv_capacity)
         finally:
             _TRUSTED.reset(token)
+        if keys_unpadded is not None:
+            seq._memo[("keys_unpadded", 0)] = int(keys_unpadded)
+        return seq
 
     @classmethod
     def dense(cls, batch: int, q_len: int, kv_len: int, device: torch.device | str = "cpu") -> SeqInfo:
@@ -93,7 +100,7 @@ class SeqInfo:
                                         "must be non-negative")
         q_start = torch.full((batch,), kv_len - q_len, dtype=torch.long, device=device)
         lens = torch.full((batch,), kv_len, dtype=torch.long, device=device)
-        return cls.trusted(q_start, lens, q_len, kv_len)
+        return cls.trusted(q_start, lens, q_len, kv_len, keys_unpadded=True)
 
     @classmethod
     def from_lengths(
@@ -142,6 +149,14 @@ class SeqInfo:
                 int(((first + self.q_len + block_size - 1) // block_size).max().item()) if self.batch else 0
             )
         return self._memo[key]
+
+    def keys_unpadded(self) -> bool:
+        """Whether every sample's keys fill the capacity (``kv_len == kv_capacity``): no key padding.
+        Read from the device once per instance (routers of every layer share the forward's SeqInfo)."""
+        key = ("keys_unpadded", 0)
+        if key not in self._memo:
+            self._memo[key] = int(bool(self.kv_len.eq(self.kv_capacity).all()))
+        return bool(self._memo[key])
 
     def num_key_blocks(self, block_size: int) -> int:
         return (self.kv_capacity + block_size - 1) // block_size

@@ -54,6 +54,7 @@ def canonicalize(
             torch.full((batch,), sk, dtype=torch.long, device=device),
             sq,
             sk,
+            keys_unpadded=True,
         )
         return Canonical(q, k, v, seq, lambda out: out, query_index == 0)
 

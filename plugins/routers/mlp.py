@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 from torch import nn
+from torch.nn import functional as F
 
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.routing.base import HeadLayout, Router, RouterConfig, RouterDecision
@@ -42,9 +43,10 @@ def boundary_pool(keys: torch.Tensor, seq: SeqInfo, pool_tokens: int) -> torch.T
     Only those (at most 2N) tokens are read, so the cost does not grow with the sequence.
     """
     batch, heads, sk, dim = keys.shape
-    if sk >= 2 * pool_tokens and seq.kv_len.eq(sk).all():  # no padding: two slices, no gather
-        ends = keys[:, :, :pool_tokens].float().sum(2) + keys[:, :, sk - pool_tokens :].float().sum(2)
-        return ends / (2 * pool_tokens)
+    if sk >= 2 * pool_tokens and sk == seq.kv_capacity and seq.keys_unpadded():  # two slices, no gather
+        ends = keys[:, :, :pool_tokens].sum(2, dtype=torch.float32)
+        ends += keys[:, :, sk - pool_tokens :].sum(2, dtype=torch.float32)
+        return ends.div_(2 * pool_tokens)
     n = seq.kv_len.to(keys.device)[:, None]  # (B, 1)
     offs = torch.arange(pool_tokens, device=keys.device)[None, :]
     first = offs.expand(batch, -1)
@@ -67,7 +69,15 @@ class _LayerRouter(nn.Module):
         )
 
     def forward(self, pooled: torch.Tensor) -> torch.Tensor:
-        return self.router_mlp(self.task_mlp(pooled))
+        # the Sequentials' layers applied directly (same parameters and result): a router runs once
+        # per layer per forward on a (B, H, d) input, so its cost is the dispatch of each operation
+        t1, _, t2 = self.task_mlp
+        r1, _, r2, _, r3 = self.router_mlp
+        h = F.silu(F.linear(pooled, t1.weight, t1.bias), inplace=True)
+        h = F.linear(h, t2.weight, t2.bias)
+        h = F.silu(F.linear(h, r1.weight, r1.bias), inplace=True)
+        h = F.silu(F.linear(h, r2.weight, r2.bias), inplace=True)
+        return F.linear(h, r3.weight, r3.bias)
 
 
 class MLPRouter(Router):
@@ -100,6 +110,7 @@ class MLPRouter(Router):
                 logits, self.temperature(), noise=True, gumbel=self.preset_noise(layer, logits)
             )
             return RouterDecision(straight_through(prob), prob, logits)
-        # softmax over two logits: P(sparse) = sigmoid(z1 - z0); arg max = P > 0.5
-        prob = torch.sigmoid((logits[..., 1] - logits[..., 0]).float())
-        return RouterDecision((prob > 0.5).to(prob.dtype), prob, logits)
+        # softmax over the two logits; arg max: sparse iff P(sparse) > 0.5 (a tie goes to the retrieval
+        # mode), which is what rounding P half-to-even gives, in one operation
+        prob = torch.softmax(logits.float(), dim=-1)[..., 1]
+        return RouterDecision(torch.round(prob), prob, logits)
