@@ -18,6 +18,7 @@ from elasticfw.attention.flex_mask import (
     bucket_length,
     default_kernel_block_size,
     dense_kernel_mask,
+    restrict_heads,
     tile_masks,
     to_block_mask,
 )
@@ -479,3 +480,23 @@ def test_config_refuses_values_without_meaning(field, bad):
 
     with pytest.raises(ValidationError, match=field):
         FlexConfig(**{field: bad})
+
+
+@pytest.mark.parametrize("layout_heads", [1, 6])
+@pytest.mark.parametrize("seq_name", ["prefill", "padded_keys", "chunk_unaligned"])
+def test_restrict_heads_equals_converting_the_per_head_selection(layout_heads, seq_name):
+    """Restricting a converted mask to some heads gives the block lists (and the transposed lists
+    the backward reads) of converting the per-head selection ``select_heads(keep, layout, empty)``."""
+    seq, hq, bs = SEQS[seq_name], 6, 16
+    layout = _random_layout(seq, bs, layout_heads, token=False, seed=3)
+    keep = torch.tensor([[True, False, True, True, False, False]])
+    empty = BlockLayout(torch.zeros(1, 1, *layout.blocks.shape[2:], dtype=torch.bool), bs)
+    want = to_block_mask(select_heads(keep.expand(seq.batch, -1), layout, empty), seq, hq, kernel_block_size=32)
+    got = restrict_heads(to_block_mask(layout, seq, hq, kernel_block_size=32, compute_q_blocks=False), keep,
+                         compute_q_blocks=True)
+    for a, b in zip(tile_masks(got.block_mask), tile_masks(want.block_mask), strict=True):
+        assert torch.equal(a, b.expand_as(a))
+    assert not tile_masks(got.block_mask)[0][:, ~keep[0]].any()  # dropped heads name no tile
+    assert torch.equal(got.block_mask.q_num_blocks, want.block_mask.q_num_blocks.expand_as(got.block_mask.q_num_blocks))
+    with pytest.raises(UnsupportedInputError, match="restrict_heads"):
+        restrict_heads(got, torch.ones(1, 4, dtype=torch.bool))  # 6 heads cannot become 4

@@ -37,7 +37,7 @@ Nothing here is O(S^2): every tensor is per tile, per sub-block or per sample. T
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -271,6 +271,48 @@ def to_block_mask(
         kv_padded_len=kp,
         block_lookup=block_lookup,
     )
+
+
+def restrict_heads(fm: FlexMask, keep: torch.Tensor, *, compute_q_blocks: bool = False) -> FlexMask:
+    """``fm`` for ``keep.shape[1]`` query heads, computing nothing on the heads where ``keep`` is false.
+
+    ``keep`` is (B or 1, Hq) bool. ``fm``'s block lists have 1 or Hq heads; they are broadcast to
+    Hq and the counts of dropped heads set to 0 (their rows then come out as FlexAttention's empty
+    rows: zeros). ``mask_mod`` is unchanged: it is only evaluated inside tiles the lists name. This
+    is how the split executor runs a routed layer's sparse heads over one mask converted for one
+    head, instead of converting a per-head layout (at 128K tokens, 32 heads: about 6 ms per call
+    against 1.6 ms for one head).
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    bm = fm.block_mask
+    batch, heads = bm.kv_num_blocks.shape[:2]
+    keep_batch, hq = keep.shape
+    if heads not in (1, hq) or 1 not in (batch, keep_batch) and batch != keep_batch:
+        raise UnsupportedInputError(
+            f"restrict_heads: a mask of {batch} samples x {heads} heads cannot be restricted by keep {tuple(keep.shape)}"
+        )
+    out_b = max(batch, keep_batch)
+    live = keep.to(device=bm.kv_num_blocks.device)[:, :, None].expand(out_b, hq, 1)
+
+    def counts(num: torch.Tensor) -> torch.Tensor:
+        return torch.where(live, num.expand(out_b, hq, num.shape[2]), torch.zeros_like(num[:1, :1])).contiguous()
+
+    def lists(idx: torch.Tensor) -> torch.Tensor:
+        return idx.expand(out_b, hq, *idx.shape[2:]).contiguous()
+
+    full_num = bm.full_kv_num_blocks
+    block_mask = BlockMask.from_kv_blocks(
+        counts(bm.kv_num_blocks),
+        lists(bm.kv_indices),
+        counts(full_num) if full_num is not None else None,
+        lists(bm.full_kv_indices) if full_num is not None else None,
+        BLOCK_SIZE=bm.BLOCK_SIZE,
+        mask_mod=bm.mask_mod,
+        seq_lengths=bm.seq_lengths,
+        compute_q_blocks=compute_q_blocks,
+    )
+    return replace(fm, block_mask=block_mask)
 
 
 # ---------------------------------------------------------------------------------------

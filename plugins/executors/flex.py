@@ -57,6 +57,7 @@ from elasticfw.attention.flex_mask import (
     bucket_length,
     default_kernel_block_size,
     dense_kernel_mask,
+    restrict_heads,
     tile_masks,
     to_block_mask,
 )
@@ -236,7 +237,11 @@ class FlexExecutor(Executor):
         *,
         scale: float,
         need_lse: bool = True,
+        keep_heads: torch.Tensor | None = None,
     ) -> AttentionOutput:
+        """The contract's ``attend``; ``keep_heads`` ((B or 1, Hq) bool, optional) computes only those
+        heads (the others' rows are zeros, their log-sum-exp -inf) from the layout's mask converted
+        once (:func:`~elasticfw.attention.flex_mask.restrict_heads`)."""
         cfg = self.config
         impl = self.implementation(q.device)
         kb = self.kernel_block_size(layout.block_size, impl, q.device)
@@ -258,8 +263,10 @@ class FlexExecutor(Executor):
             q_padded_len=q_pad,
             kv_padded_len=k_pad,
             block_lookup=True if impl == "eager" else None,
-            compute_q_blocks=needs_grad,
+            compute_q_blocks=needs_grad and keep_heads is None,
         )
+        if keep_heads is not None:
+            fm = restrict_heads(fm, keep_heads, compute_q_blocks=needs_grad)
         qp, kp, vp = fm.pad_queries(q), fm.pad_keys(k), fm.pad_keys(v)
         if impl == "emulated":
             out, lse = emulate_flex(qp, kp, vp, fm, scale, cfg.emulation_query_chunk)

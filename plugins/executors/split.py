@@ -35,8 +35,11 @@ compressed branch). What is copied in the split:
 * the dense group's q heads and K/V heads: views when they are a contiguous range of heads (the
   usual case: a fixed router keeping the first heads full), else a gather of only that group;
 * nothing for the sparse group: it runs over all heads and all of K/V, with the dense heads'
-  rows emptied in its layout (an empty row costs no tile), so the compiled FlexAttention kernel
-  sees one shape whatever the routing (no recompilation per number of sparse heads);
+  rows emptied (an empty row costs no tile), so the compiled FlexAttention kernel sees one shape
+  whatever the routing (no recompilation per number of sparse heads). On the flex path the
+  sparse layout is converted to a BlockMask as it is (often one head, shared) and the dense
+  heads' block counts are then set to zero (``restrict_heads``); the gathered path selects per
+  head in the layout;
 * the output: the sparse launch's (B, Hq, Sq, D) result with the dense heads' rows replaced by
   the dense kernel's (one out-of-place ``index_copy``: one write of the output).
 
@@ -217,8 +220,13 @@ class SplitExecutor(Executor):
             return AttentionOutput(self.dense(q, k, v, scale=scale), None)
         out_d = self.dense(_take_heads(q, dense_q), _take_heads(k, dense_kv), _take_heads(v, dense_kv), scale=scale)
         # the sparse group over all heads, the dense heads' rows empty: no q/K/V copy, one kernel shape
-        rest = select_heads(sparse_heads, sparse_layout, _empty_like_layout(sparse_layout))
-        out_s = self.sparse(q, k, v, rest, seq, scale=scale, need_lse=False).out
+        if self.sparse_path(q.device) == "flex":  # the layout's mask converted once, dense heads dropped
+            out_s = self.flex_executor().attend(
+                q, k, v, sparse_layout, seq, scale=scale, need_lse=False, keep_heads=sparse_heads[:1]
+            ).out
+        else:
+            rest = select_heads(sparse_heads, sparse_layout, _empty_like_layout(sparse_layout))
+            out_s = self.gathered(q, k, v, rest, seq, scale=scale, need_lse=False).out
         index = torch.tensor(dense_q, device=q.device)
         return AttentionOutput(out_s.index_copy(1, index, out_d.to(out_s.dtype)), None)
 
@@ -252,6 +260,12 @@ class SplitExecutor(Executor):
         return dense_q, dense_kv
 
     # -- the two paths -------------------------------------------------------------------------
+    def flex_executor(self) -> FlexExecutor:
+        """The flex executor of the sparse path (built on first use, with the ``flex`` options)."""
+        if self._flex is None:
+            self._flex = FlexExecutor(self.config.flex_config())
+        return self._flex
+
     def dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -> torch.Tensor:
         """Dense causal attention of a plain prefill (GQA without repeating K/V)."""
         backend = self.config.dense_backend
@@ -285,9 +299,7 @@ class SplitExecutor(Executor):
         need_lse: bool,
     ) -> AttentionOutput:
         if self.sparse_path(q.device) == "flex":
-            if self._flex is None:
-                self._flex = FlexExecutor(self.config.flex_config())
-            return self._flex.attend(q, k, v, layout, seq, scale=scale, need_lse=need_lse)
+            return self.flex_executor().attend(q, k, v, layout, seq, scale=scale, need_lse=need_lse)
         return self.gathered(q, k, v, layout, seq, scale=scale, need_lse=need_lse)
 
     def gathered(
