@@ -168,3 +168,15 @@ def test_seqinfo_keys_unpadded_reads_the_lengths_or_trusts_the_caller():
     assert SeqInfo.trusted(meta, meta, 3, 7, keys_unpadded=True).keys_unpadded()
     with pytest.raises(RuntimeError):
         SeqInfo.trusted(meta, meta, 3, 7).keys_unpadded()
+
+
+def test_boundary_pooling_fast_path_reads_strided_keys():
+    """Keys as transformers often hand them over: a (B, S, H, D) tensor seen as (B, H, S, D), and an
+    offset slice of a larger buffer. The fast path's strided view must follow their strides."""
+    g = torch.Generator().manual_seed(1)
+    buf = torch.randn(2, 70, 3, 4, generator=g)
+    for keys in (buf.transpose(1, 2), buf.transpose(1, 2)[:, 1:, 5:55]):
+        sk = keys.shape[2]
+        got = boundary_pool(keys, SeqInfo.dense(2, sk, sk), pool_tokens=8)
+        want = torch.cat([keys[:, :, :8], keys[:, :, -8:]], dim=2).mean(2)
+        assert torch.allclose(got, want, atol=1e-6)

@@ -43,10 +43,13 @@ def boundary_pool(keys: torch.Tensor, seq: SeqInfo, pool_tokens: int) -> torch.T
     Only those (at most 2N) tokens are read, so the cost does not grow with the sequence.
     """
     batch, heads, sk, dim = keys.shape
-    if sk >= 2 * pool_tokens and sk == seq.kv_capacity and seq.keys_unpadded():  # two slices, no gather
-        ends = keys[:, :, :pool_tokens].sum(2, dtype=torch.float32)
-        ends += keys[:, :, sk - pool_tokens :].sum(2, dtype=torch.float32)
-        return ends.div_(2 * pool_tokens)
+    if sk >= 2 * pool_tokens and sk == seq.kv_capacity and seq.keys_unpadded():  # no padding, no gather
+        # the first and last N tokens as one (B, H, 2, N, D) strided view of ``keys``: one reduction
+        s0, s1, s2, s3 = keys.stride()
+        ends = keys.as_strided(
+            (batch, heads, 2, pool_tokens, dim), (s0, s1, (sk - pool_tokens) * s2, s2, s3), keys.storage_offset()
+        )
+        return ends.sum((2, 3), dtype=torch.float32).div_(2 * pool_tokens)
     n = seq.kv_len.to(keys.device)[:, None]  # (B, 1)
     offs = torch.arange(pool_tokens, device=keys.device)[None, :]
     first = offs.expand(batch, -1)
