@@ -103,6 +103,22 @@ def test_routed_split_matches_reference_and_masked_attention(routing, granularit
         assert rel_rms(g, rg) < 3 * TOLERANCE[torch.float32]
 
 
+@pytest.mark.parametrize("sparse", ["gathered", "flex"])
+@pytest.mark.parametrize("routing", ["first-full", "scattered"])
+def test_routed_split_at_inference_writes_the_dense_rows_in_place_exactly(routing, sparse):
+    """Without autograd the dense heads' rows are written into the sparse launch's output in place;
+    the result is still the masked-attention definition."""
+    q, k, v, seq = make_inputs((2, 8, 4, 90, 90, 16), kv_lens=[90, 61])
+    hard = _hard(ROUTINGS[routing], 2, 8)
+    layouts = tuple(m.build_layout(q, k, seq) for m in (FULL, STREAM["block"]))
+    with torch.no_grad():
+        out = attend_routed(q, k, v, seq, SplitExecutor(SplitConfig(sparse=sparse)), retrieval=FULL,
+                            sparse=STREAM["block"], hard=hard, layouts=layouts, scale=0.37).out
+    rows = seq.query_valid()[:, None, :, None].expand_as(out)
+    want = _masked(q, k, v, seq, hard, "block", 0.37)
+    assert rel_rms(out[rows], want[rows]) < TOLERANCE[torch.float32]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_routed_split_half_precision(dtype):
     q, k, v, seq = make_inputs((1, 8, 2, 120, 120, 16), dtype=dtype)

@@ -301,12 +301,14 @@ def restrict_heads(fm: FlexMask, keep: torch.Tensor, *, compute_q_blocks: bool =
     def lists(idx: torch.Tensor) -> torch.Tensor:
         return idx.expand(out_b, hq, *idx.shape[2:]).contiguous()
 
-    full_num = bm.full_kv_num_blocks
+    full_num, full_idx = bm.full_kv_num_blocks, bm.full_kv_indices
+    if full_num is not None and full_idx is not None:  # a BlockMask sets both or neither
+        full_num, full_idx = counts(full_num), lists(full_idx)
     block_mask = BlockMask.from_kv_blocks(
         counts(bm.kv_num_blocks),
         lists(bm.kv_indices),
-        counts(full_num) if full_num is not None else None,
-        lists(bm.full_kv_indices) if full_num is not None else None,
+        full_num,
+        full_idx,
         BLOCK_SIZE=bm.BLOCK_SIZE,
         mask_mod=bm.mask_mod,
         seq_lengths=bm.seq_lengths,

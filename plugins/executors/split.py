@@ -41,7 +41,8 @@ compressed branch). What is copied in the split:
   heads' block counts are then set to zero (``restrict_heads``); the gathered path selects per
   head in the layout;
 * the output: the sparse launch's (B, Hq, Sq, D) result with the dense heads' rows replaced by
-  the dense kernel's (one out-of-place ``index_copy``: one write of the output).
+  the dense kernel's: in place at inference (a write of the dense heads' rows only), out of
+  place when gradients flow (autograd keeps the sparse launch's output).
 
 Gradients flow through both groups (SDPA and FlexAttention have backward passes; the gathered
 path is plain differentiable PyTorch).
@@ -228,7 +229,10 @@ class SplitExecutor(Executor):
             rest = select_heads(sparse_heads, sparse_layout, _empty_like_layout(sparse_layout))
             out_s = self.gathered(q, k, v, rest, seq, scale=scale, need_lse=False).out
         index = torch.tensor(dense_q, device=q.device)
-        return AttentionOutput(out_s.index_copy(1, index, out_d.to(out_s.dtype)), None)
+        if out_s.requires_grad:  # autograd keeps FlexAttention's output for its backward: a new tensor
+            return AttentionOutput(out_s.index_copy(1, index, out_d.to(out_s.dtype)), None)
+        # inference: write only the dense heads' rows into the sparse launch's output
+        return AttentionOutput(out_s.index_copy_(1, index, out_d.to(out_s.dtype)), None)
 
     def split_heads(
         self,
