@@ -27,7 +27,7 @@ from elasticfw.attention.mode import AttentionOutput
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError, UnsupportedInputError
 from elasticfw.registry import get_registry
-from elasticfw.testing.modes import make_mode, rel_rms
+from elasticfw.testing.modes import make_inputs, make_mode, rel_rms
 from elasticfw_plugins.executors import flex as flex_module
 from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
 
@@ -500,3 +500,19 @@ def test_restrict_heads_equals_converting_the_per_head_selection(layout_heads, s
     assert torch.equal(got.block_mask.q_num_blocks, want.block_mask.q_num_blocks.expand_as(got.block_mask.q_num_blocks))
     with pytest.raises(UnsupportedInputError, match="restrict_heads"):
         restrict_heads(got, torch.ones(1, 4, dtype=torch.bool))  # 6 heads cannot become 4
+
+
+def test_flex_attend_with_keep_heads_gives_empty_rows_for_dropped_heads():
+    """The executor's ``keep_heads``: kept heads as the reference over the layout, dropped heads
+    zeros with a -inf log-sum-exp (FlexAttention's empty rows)."""
+    q, k, v, seq = make_inputs((2, 6, 3, 70, 70, 8), kv_lens=[70, 45])
+    layout = _random_layout(seq, 16, 1, token=False, seed=4)
+    keep = torch.tensor([[True, False, True, True, False, True]])
+    got = FlexExecutor(FlexConfig(implementation="emulated")).attend(q, k, v, layout, seq, scale=0.3, keep_heads=keep)
+    ref = _reference().attend(q, k, v, layout, seq, scale=0.3)
+    rows = seq.query_valid()[:, None, :]
+    kept = keep[0]
+    assert rel_rms(got.out[:, kept][rows.expand(-1, int(kept.sum()), -1)],
+                   ref.out[:, kept][rows.expand(-1, int(kept.sum()), -1)]) < 1e-5
+    assert torch.equal(got.out[:, ~kept], torch.zeros_like(got.out[:, ~kept]))
+    assert torch.isneginf(got.lse[:, ~kept]).all()

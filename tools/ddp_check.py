@@ -28,6 +28,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from elasticfw.atomic import atomic_write_text
 from elasticfw.eval.rows import read_rows, row_key
 from elasticfw.provenance import environment
 from elasticfw.training.logs import read_metrics
@@ -56,7 +57,7 @@ def _run(cmd: list[str], out: Path, procs: int) -> dict[str, Any]:
     with (out / "log.txt").open("w") as log:
         rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     info = {"command": " ".join(cmd), "processes": procs, "wall_seconds": time.perf_counter() - t0, "returncode": rc}
-    (out / "run.json").write_text(json.dumps(info, indent=2))
+    atomic_write_text(out / "run.json", json.dumps(info, indent=2))
     print(f"[ddp_check] {procs} process(es): rc {rc}, {info['wall_seconds']:.1f} s", flush=True)
     if rc != 0:
         print((out / "log.txt").read_text()[-3000:], file=sys.stderr)
@@ -108,7 +109,7 @@ def train(out: Path, steps: int, procs: int, extra: list[str]) -> int:
         "wall_seconds": {str(n): runs[n]["wall_seconds"] for n in runs},
         "environment": environment(_device()),
     }
-    (out / "check.json").write_text(json.dumps(check, indent=2))
+    atomic_write_text(out / "check.json", json.dumps(check, indent=2))
     print(json.dumps({k: check[k] for k in ("differences", "median_step_seconds", "step_speedup", "wall_seconds")},
                      indent=2))
     return 0
@@ -148,7 +149,7 @@ def compare_sweeps(a: Path, b: Path, out: Path) -> int:
         "wall_speedup": runs[a.name]["wall_seconds"] / runs[b.name]["wall_seconds"],
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    atomic_write_text(out, json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     return 0
 
