@@ -95,3 +95,28 @@ def test_flex_training_step_bf16():
     (out.loss + elastic.msr().mean()).backward()
     grads = [p.grad for p in elastic.trainable_parameters()]
     assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
+
+
+def test_split_reuses_one_blockmask_per_forward_and_decodes_without_tile_padding(monkeypatch):
+    """Unpadded prompt: the streaming layout is converted once for all layers (compiled flex path),
+    the logits equal the reference executor's, and greedy decoding through the split executor's
+    decode path (dense heads unmasked, streaming heads gathered) generates what the reference does."""
+    import elasticfw_plugins.executors.flex as flex_module
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_model("llama").cuda()
+    ids = torch.randint(3, 250, (1, 900), generator=torch.Generator().manual_seed(0)).cuda()
+    calls = []
+    real = flex_module.to_block_mask
+    monkeypatch.setattr(flex_module, "to_block_mask", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    outs = {}
+    for name in ("reference", "split"):
+        elastic = ElasticModel(model, section(MIXED, {"name": name}))
+        with torch.no_grad():
+            logits = elastic(input_ids=ids).logits
+            gen = elastic.generate(input_ids=ids, max_new_tokens=12, do_sample=False)
+        elastic.unwrap()
+        outs[name] = (logits, gen)
+    assert rel_rms(outs["split"][0], outs["reference"][0]) < 1e-3
+    assert torch.equal(outs["split"][1], outs["reference"][1])
+    assert len(calls) <= 2  # the forward and generate's prefill: one conversion for all routed layers

@@ -136,10 +136,11 @@ class _Spy:
         self.sparse: list = []
         real_dense, real_sparse = executor.dense, executor.sparse
 
-        def dense(q, k, v, *, scale):
+        def dense(q, k, v, *, scale, causal=True):
             self.dense.append((q.shape[1], k.shape[1]))
             self.dense_kv = (k, v)
-            return real_dense(q, k, v, scale=scale)
+            self.causal = causal
+            return real_dense(q, k, v, scale=scale, causal=causal)
 
         def sparse(q, k, v, layout, seq, *, scale, need_lse):
             self.sparse.append(layout)
@@ -189,7 +190,7 @@ def test_contiguous_dense_heads_are_views_and_scattered_ones_are_gathered(monkey
     [
         ("different-routing", "samples routed differently"),
         ("split-group", "a GQA group split between the layouts"),
-        ("decode", "not a plain prefill"),
+        ("decode", "a padded decode step (the keys' lengths are not known on the host)"),
         ("lse", "log-sum-exp asked for"),
     ],
 )
@@ -217,6 +218,42 @@ def test_fallbacks_run_one_launch_and_stay_exact(case, why, monkeypatch):
         assert got.lse is not None
         fin = torch.isfinite(want.lse) & seq.query_valid()[:, None, :]
         assert torch.allclose(got.lse[fin], want.lse[fin], atol=1e-4)
+
+
+@pytest.mark.parametrize("granularity", ["block", "token"])
+@pytest.mark.parametrize("routing", ["first-full", "scattered", "all-full", "all-sparse"])
+def test_a_decode_step_splits_reads_only_the_window_and_stays_exact(routing, granularity, monkeypatch):
+    """One query per sample at the last of 200 positions, no padding (a host-known SeqInfo): the
+    full heads are one unmasked dense call, the streaming heads a gathered call over the sink and
+    window only (never a padded FlexAttention tile, whatever the device), against the reference
+    executor and the float64 masked attention written above."""
+    q, k, v, _ = make_inputs((2, 8, 4, 1, 200, 16))
+    seq = SeqInfo.dense(2, 1, 200)
+    hard = _hard(ROUTINGS[routing], 2, 8)
+    layouts = (FULL.build_layout(q, k, seq), STREAM[granularity].build_layout(q, k, seq))
+    ex = SplitExecutor(SplitConfig(sparse="flex"))  # decode_sparse (gathered) wins over `sparse` at decode
+    assert ex.sparse_path(q.device, seq) == "gathered"
+    widths: list[int] = []
+    real = F.scaled_dot_product_attention
+
+    def counting(qq, kk, vv, **kw):
+        widths.append(kk.shape[2])
+        return real(qq, kk, vv, **kw)
+
+    spy = _Spy(ex, monkeypatch)
+    monkeypatch.setattr(split_module.F, "scaled_dot_product_attention", counting)
+    got = ex.attend_routed(q, k, v, seq, hard=hard, layouts=layouts, scale=0.3, need_lse=False).out
+    monkeypatch.undo()
+    n_dense = sum(1 for x in ROUTINGS[routing] if x == 0)
+    assert len(spy.dense) == (1 if n_dense else 0) and (not n_dense or spy.causal is False)
+    sparse_calls = [w for w in widths if w < 200]
+    if n_dense < 4:
+        # sink block + the local window's blocks (16 + 32 tokens, blocks of 16, the query's block partial)
+        assert sparse_calls and max(sparse_calls) <= 16 + 32 + 16
+    want = _masked(q, k, v, seq, hard, granularity, 0.3)
+    assert rel_rms(got, want) < TOLERANCE[torch.float32]
+    ref = get_registry().get("executor", "reference")()
+    assert rel_rms(got, ref.attend(q, k, v, routed_layout(hard, layouts, seq), seq, scale=0.3).out) < 1e-5
 
 
 def test_the_gathered_path_computes_only_the_key_blocks_a_chunk_uses(monkeypatch):

@@ -21,6 +21,10 @@ JSON under ``--out`` as it goes:
    embedding and the one-token LM head (below 1% of a 32K prefill); ``--layers 32`` measures the
    whole model (about 4x longer). ``--with-qwen`` adds the Qwen3-8B shape.
 
+4. ``decode.json`` (only with ``--steps decode``) — ``python -m elasticfw.bench.decode_memory
+   --prefill-executor split --decode-executor split``: decode step time and KV-cache memory at 32K
+   and 128K context, dense vs FA-SSA with the full and the compact cache (4 layers).
+
 then ``targets``. ``demo-cpu`` times the old CPU demo (``results/demo-cpu.json``: ``elasticfw
 compare`` on the embedded SmolLM2-135M, passkey at 1,440 tokens, 20 samples, batch 4, 8 new tokens;
 full attention vs every head streaming with sink 64 / local 256), ``--executor`` (default
@@ -79,6 +83,8 @@ def gpu(args: argparse.Namespace) -> int:
         "prefill": [py, "-m", "elasticfw.cli", "bench", "prefill", "--model", *models, "--seq", "32768", "131072",
          "--layers", layers, "--executors", "split", "flex", "--msr", "0.875", "--reps", "3", "--overwrite",
          "--out", str(out / "prefill.json")],
+        "decode": [py, "-m", "elasticfw.bench.decode_memory", "--prefill-executor", "split", "--decode-executor", "split",
+         "--out", str(out / "decode.json")],
     }
     codes = [_run(steps[name], log) for name in args.steps]
     log_path = out / "commands.log.json"
@@ -154,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--out", type=Path, default=Path("results/bench/issue10"))
     g.add_argument("--layers", type=int, default=4, help="decoder layers of the model prefill (of 32)")
     g.add_argument("--with-qwen", action="store_true", help="also the Qwen3-8B shape in the prefill benchmark")
-    g.add_argument("--steps", nargs="+", choices=["attention", "router", "prefill"],
+    g.add_argument("--steps", nargs="+", choices=["attention", "router", "prefill", "decode"],
                    default=["attention", "router", "prefill"],
                    help="which benchmarks to run (one call each when a command has a time limit)")
     g.set_defaults(func=gpu)

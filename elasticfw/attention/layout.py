@@ -37,6 +37,10 @@ class BlockLayout:
     the number of KV heads, or the number of query heads (see :func:`expand_heads`).
     ``dense_causal`` declares that ``blocks`` is exactly the causal block pattern and there is
     no token mask, so an executor may hand those heads to a dense causal kernel.
+    ``reusable`` is set by whoever hands the *same object* to many executor calls (the runtime
+    does, for modes whose layout depends only on ``seq``: one layout for every layer of a
+    forward): an executor may then keep what it derives from the layout (a BlockMask), keyed on
+    the object's identity. A layout's tensors are never changed in place.
     """
 
     blocks: torch.Tensor
@@ -44,6 +48,7 @@ class BlockLayout:
     token_mask: TokenMask | None = None
     partial: torch.Tensor | None = None
     dense_causal: bool = False
+    reusable: bool = False
 
     def __post_init__(self) -> None:
         if self.blocks.dtype != torch.bool or self.blocks.dim() != 4:

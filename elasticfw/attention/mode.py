@@ -120,6 +120,11 @@ class AttentionMode(ABC):
 
     name: ClassVar[str]
     config_class: ClassVar[type[ModeConfig]]
+    #: ``False`` promises that :meth:`build_layout` depends only on ``seq`` and the config (never on
+    #: the values of ``q``/``k`` or the scale), so one layout may serve every layer of a forward
+    #: whose :meth:`SeqInfo.host_signature` is the same, and an executor may keep what it derived
+    #: from it (a BlockMask). Data-dependent modes keep the default ``True``.
+    layout_depends_on_inputs: ClassVar[bool] = True
 
     def __init__(self, config: ModeConfig | None = None) -> None:
         self.config = config if config is not None else self.config_class()

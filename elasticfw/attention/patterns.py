@@ -23,7 +23,8 @@ causality (key ``j`` reaches the query at position ``p`` iff ``j <= p``) and pad
 * :func:`column_mass` / :func:`diagonal_mass` — those probabilities summed per key column
   (vertical lines) and per diagonal ``offset = position - key`` (slash lines).
 * :func:`antidiagonal_scores`, :func:`iter_antidiagonal_mass`, :func:`antidiagonal_mass` —
-  XAttention's strided antidiagonal estimate of the attention mass per (query block, key block).
+  XAttention's strided antidiagonal estimate of the attention mass per (query block, key block)
+  (``backend="triton"``: the fused kernels of :mod:`elasticfw.kernels.xattention_estimate`).
 * :func:`mean_pool_keys` / :func:`gate_scores` — MoBA's gate: each query against the mean of a
   key block's real keys.
 * :func:`query_grid` / :func:`pool_tiles` — lay query rows (or per-row values) on the layout's
@@ -56,6 +57,7 @@ from elasticfw.attention.seq import SeqInfo
 GroupReduce = Literal["sum", "mean", "max"]
 TileReduce = Literal["sum", "mean", "max", "any", "all"]
 BlockReduce = Literal["sum", "mean", "max"]
+EstimateBackend = Literal["torch", "triton"]
 
 
 def _scale(scale: float | None, head_dim: int) -> float:
@@ -302,9 +304,27 @@ def antidiagonal_scores(q: torch.Tensor, k: torch.Tensor, stride: int) -> torch.
     return torch.matmul(qr, kr.transpose(-1, -2)).view(batch, hq, rq // stride, rk // stride)
 
 
+def _triton_antidiagonal_mass(
+    q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, *, block_size: int, stride: int, chunk_size: int,
+    scale: float | None,
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """The ``backend="triton"`` hook: imports the kernels only when asked (Triton is optional)."""
+    from elasticfw.errors import BackendUnavailableError
+    from elasticfw.kernels import triton_unavailable
+
+    reason = triton_unavailable(q.device)
+    if reason is not None:
+        raise BackendUnavailableError(f"antidiagonal estimate: backend 'triton' cannot run here: {reason}")
+    from elasticfw.kernels.xattention_estimate import iter_antidiagonal_mass_triton
+
+    return iter_antidiagonal_mass_triton(
+        q, k, seq, block_size=block_size, stride=stride, chunk_size=chunk_size, scale=scale
+    )
+
+
 def iter_antidiagonal_mass(
     q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, *, block_size: int, stride: int, chunk_size: int,
-    scale: float | None = None,
+    scale: float | None = None, backend: EstimateBackend = "torch",
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
     """Yield ``(t0, t1, mass)`` for layout rows ``[t0, t1)``: mass (B, Hq, t1-t0, NKB) float32.
 
@@ -315,7 +335,18 @@ def iter_antidiagonal_mass(
     probability the real strided rows of position block ``seq.q_block_start(bs)[b] + t`` put on
     key block ``N``; a strided row counts only if it holds a real query. ``chunk_size`` query
     positions are estimated at once (a memory bound; the result does not depend on it).
+
+    ``backend``: ``"torch"`` (this code, the reference) or ``"triton"`` (the fused kernels of
+    :mod:`elasticfw.kernels.xattention_estimate`: the same masses up to float32 summation order,
+    without the score tile; :class:`~elasticfw.errors.BackendUnavailableError` where they cannot run).
     """
+    if backend == "triton":
+        yield from _triton_antidiagonal_mass(
+            q, k, seq, block_size=block_size, stride=stride, chunk_size=chunk_size, scale=scale
+        )
+        return
+    if backend != "torch":
+        raise ValueError(f"iter_antidiagonal_mass: backend must be 'torch' or 'triton', got {backend!r}")
     seq.check(q, k)
     bs, s = block_size, stride
     if bs % s:
@@ -359,13 +390,13 @@ def iter_antidiagonal_mass(
 
 def antidiagonal_mass(
     q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, *, block_size: int, stride: int, chunk_size: int = 16384,
-    scale: float | None = None,
+    scale: float | None = None, backend: EstimateBackend = "torch",
 ) -> torch.Tensor:
     """(B, Hq, NQB, NKB) float32: :func:`iter_antidiagonal_mass` for every layout row at once."""
     parts = [
         m
         for _, _, m in iter_antidiagonal_mass(
-            q, k, seq, block_size=block_size, stride=stride, chunk_size=chunk_size, scale=scale
+            q, k, seq, block_size=block_size, stride=stride, chunk_size=chunk_size, scale=scale, backend=backend
         )
     ]
     if not parts:

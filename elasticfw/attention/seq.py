@@ -100,7 +100,9 @@ class SeqInfo:
                                         "must be non-negative")
         q_start = torch.full((batch,), kv_len - q_len, dtype=torch.long, device=device)
         lens = torch.full((batch,), kv_len, dtype=torch.long, device=device)
-        return cls.trusted(q_start, lens, q_len, kv_len, keys_unpadded=True)
+        seq = cls.trusted(q_start, lens, q_len, kv_len, keys_unpadded=True)
+        seq._memo[("dense", 0)] = 1
+        return seq
 
     @classmethod
     def from_lengths(
@@ -157,6 +159,16 @@ class SeqInfo:
         if key not in self._memo:
             self._memo[key] = int(bool(self.kv_len.eq(self.kv_capacity).all()))
         return bool(self._memo[key])
+
+    def host_signature(self) -> tuple | None:
+        """A hashable description of every value of this SeqInfo, known without reading the device,
+        or ``None``. Built by :meth:`dense` (no padding, the queries the last ``q_len`` positions):
+        ``("dense", batch, q_len, kv_capacity, device)``. Two SeqInfos with the same signature hold
+        the same values, so what depends only on them (a streaming layout, its BlockMask) can be
+        reused between the layers of a forward."""
+        if ("dense", 0) not in self._memo:
+            return None
+        return ("dense", self.batch, self.q_len, self.kv_capacity, str(self.device))
 
     def num_key_blocks(self, block_size: int) -> int:
         return (self.kv_capacity + block_size - 1) // block_size

@@ -8,6 +8,14 @@ states, S in {512, 8192, 32768, 131072}. Times ``router.decide`` for all layers 
 autograd), the router the paper uses (``mlp``, about 0.27M parameters per layer), against one
 layer of dense causal cuDNN SDPA at the same S measured in the same run. The paper reports an
 average router latency of 0.196 ms, constant from 512 to 1M tokens (Fig. 10).
+
+``router_per_layer_ms`` is the router's default configuration. For a router with a ``kernel``
+field (``mlp``) the same weights are also timed on the eager path (``eager_per_layer_ms``) and
+on the fused Triton kernel (``fused_per_layer_ms``), and the fused decision is compared with
+the eager one (``fused_max_abs_logit_diff``, ``fused_decisions_equal``). Where Triton cannot run
+(CPU tensors without ``TRITON_INTERPRET=1``, no triton package) the fused fields are ``null``
+and ``fused_unavailable`` says why. Under the interpreter the fused times are the interpreter's,
+not a kernel's.
 """
 
 from __future__ import annotations
@@ -24,9 +32,10 @@ import torch
 
 from elasticfw.atomic import atomic_write_text
 from elasticfw.attention.seq import SeqInfo
+from elasticfw.kernels import triton_unavailable
 from elasticfw.provenance import environment
 from elasticfw.registry import get_registry
-from elasticfw.routing.base import HeadLayout
+from elasticfw.routing.base import HeadLayout, Router
 
 
 def _time(fn: Callable[[], object], device: torch.device, reps: int, warmup: int = 5) -> float:
@@ -57,18 +66,48 @@ def run(args: argparse.Namespace) -> dict:
     heads = HeadLayout(tuple(range(args.layers)), args.kv_heads, args.q_heads, args.head_dim)
     router = entry.cls(entry.config_class(), heads).to(device).eval()  # type: ignore[misc]
     params_per_layer = sum(p.numel() for p in router.parameters()) / args.layers
+    # the same weights on the eager path and on the fused kernel, for a router that has both
+    variants: dict[str, Router] = {}
+    fused_unavailable: str | None = "the router has no kernel field"
+    config_class = entry.config_class
+    if config_class is not None and "kernel" in config_class.model_fields:
+        fused_unavailable = triton_unavailable(device)
+        for name, kernel in (("eager", "eager"), ("fused", "triton")):
+            if name == "fused" and fused_unavailable is not None:
+                continue
+            config = config_class(kernel=kernel)  # type: ignore[call-arg]
+            variant = entry.cls(config, heads).to(device).eval()  # type: ignore[misc]
+            variant.load_state_dict(router.state_dict())
+            variants[name] = variant
     rows = []
     for s in args.seq:
         keys = torch.randn(1, args.kv_heads, s, args.head_dim, device=device, dtype=dtype)
         seq = SeqInfo.dense(1, s, s, device)
 
-        @torch.no_grad()
-        def all_layers(keys: torch.Tensor = keys, seq: SeqInfo = seq) -> None:
-            for layer in range(args.layers):
-                router.decide(layer, keys, seq)
+        def all_layers_of(r: Router, keys: torch.Tensor = keys, seq: SeqInfo = seq) -> Callable[[], None]:
+            @torch.no_grad()
+            def all_layers() -> None:
+                for layer in range(args.layers):
+                    r.decide(layer, keys, seq)
 
-        ms = _time(all_layers, device, args.reps)
-        row = {"seq": s, "router_all_layers_ms": ms, "router_per_layer_ms": ms / args.layers}
+            return all_layers
+
+        ms = _time(all_layers_of(router), device, args.reps)
+        row: dict = {"seq": s, "router_all_layers_ms": ms, "router_per_layer_ms": ms / args.layers}
+        if "eager" in variants:
+            row["eager_per_layer_ms"] = _time(all_layers_of(variants["eager"]), device, args.reps) / args.layers
+            row["fused_per_layer_ms"] = None
+            row["fused_unavailable"] = fused_unavailable
+        if "fused" in variants:
+            row["fused_per_layer_ms"] = _time(all_layers_of(variants["fused"]), device, args.reps) / args.layers
+            with torch.no_grad():
+                eager = [variants["eager"].decide(layer, keys, seq) for layer in range(args.layers)]
+                fused = [variants["fused"].decide(layer, keys, seq) for layer in range(args.layers)]
+            row["fused_max_abs_logit_diff"] = max(
+                (f.logits.float() - e.logits.float()).abs().max().item()  # type: ignore[union-attr]
+                for f, e in zip(fused, eager)
+            )
+            row["fused_decisions_equal"] = all(torch.equal(f.sparse, e.sparse) for f, e in zip(fused, eager))
         if device.type == "cuda" and s <= args.max_sdpa_seq:
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -92,6 +131,8 @@ def run(args: argparse.Namespace) -> dict:
         "shape": {"layers": args.layers, "kv_heads": args.kv_heads, "q_heads": args.q_heads,
                   "head_dim": args.head_dim, "dtype": args.dtype, "batch": 1},
         "router_params_per_layer": params_per_layer,
+        "router_kernel": getattr(router.config, "kernel", None),  # the default configuration's
+        "fused_unavailable": fused_unavailable,  # why the fused kernel was not timed (null: it was)
         "paper_reference_ms": 0.196,
         "rows": rows,
         "environment": environment(device),

@@ -11,7 +11,7 @@ first chunk (prefill) and reused for its later chunks and decode steps.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from elasticfw.model.kv_cache import ElasticKVLayer
 
 Observer = Callable[[int, Canonical, float], None]
+
+#: layouts kept by :attr:`ElasticRuntime.layout_cache` (oldest dropped first): a few shapes at once
+LAYOUT_CACHE_SIZE = 8
 
 
 @dataclass
@@ -78,6 +81,10 @@ class ElasticRuntime:
     #: set by a compact KV cache's ``update`` (:mod:`elasticfw.model.kv_cache`): layer -> (its cache
     #: layer, the keys it returned), so that the attention call that follows is paired with it
     kv_handoff: dict[int, tuple[ElasticKVLayer, torch.Tensor]] = field(default_factory=dict)
+    #: layouts of modes that depend only on ``seq`` (``layout_depends_on_inputs = False``), kept per
+    #: (mode, SeqInfo.host_signature, window): every layer of a forward gets the same object, so an
+    #: executor converts it once (see :meth:`_layouts`)
+    layout_cache: dict[tuple, tuple[AttentionMode, object, BlockLayout]] = field(default_factory=dict)
 
     # -- entry point (called by the bridge) ---------------------------------------------------
     def attend(
@@ -160,10 +167,24 @@ class ElasticRuntime:
         self, modes: list[AttentionMode], can: Canonical, window: int | None, scale: float
     ) -> list[BlockLayout]:
         out = []
+        signature = can.seq.host_signature()
         with torch.no_grad():
             for mode in modes:
+                key = None
+                if signature is not None and not mode.layout_depends_on_inputs:
+                    key = (id(mode), signature, window)
+                    hit = self.layout_cache.get(key)
+                    if hit is not None and hit[0] is mode and hit[1] is mode.config:
+                        out.append(hit[2])
+                        continue
                 layout = mode.build_layout(can.q, can.k, can.seq, scale=scale)
-                out.append(with_window(layout, can.seq, window) if window else layout)
+                layout = with_window(layout, can.seq, window) if window else layout
+                if key is not None:
+                    layout = replace(layout, reusable=True)
+                    if len(self.layout_cache) >= LAYOUT_CACHE_SIZE:
+                        self.layout_cache.pop(next(iter(self.layout_cache)))
+                    self.layout_cache[key] = (mode, mode.config, layout)
+                out.append(layout)
         return out
 
     def _execute(

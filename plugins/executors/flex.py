@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -68,6 +69,8 @@ from elasticfw.errors import BackendUnavailableError, UnsupportedInputError
 
 #: tile size FlexAttention's default CUDA kernel configurations divide (see module docstring)
 CUDA_KERNEL_BLOCK = 128
+#: BlockMasks of reusable layouts one executor keeps (a few shapes: prefill buckets, batch sizes)
+MASK_CACHE_SIZE = 8
 
 
 class FlexConfig(ExecutorConfig):
@@ -185,6 +188,11 @@ class FlexExecutor(Executor):
     config_class = FlexConfig
     config: FlexConfig
 
+    def __init__(self, config: FlexConfig | None = None) -> None:
+        super().__init__(config)
+        #: converted BlockMasks of reusable layouts: key -> (layout, FlexMask), least recently used first
+        self._masks: OrderedDict[tuple, tuple[BlockLayout, FlexMask]] = OrderedDict()
+
     @classmethod
     def availability(cls) -> str | None:
         try:
@@ -238,10 +246,17 @@ class FlexExecutor(Executor):
         scale: float,
         need_lse: bool = True,
         keep_heads: torch.Tensor | None = None,
+        keep_key: tuple | None = None,
     ) -> AttentionOutput:
         """The contract's ``attend``; ``keep_heads`` ((B or 1, Hq) bool, optional) computes only those
         heads (the others' rows are zeros, their log-sum-exp -inf) from the layout's mask converted
-        once (:func:`~elasticfw.attention.flex_mask.restrict_heads`)."""
+        once (:func:`~elasticfw.attention.flex_mask.restrict_heads`).
+
+        The BlockMask of a ``reusable`` layout (:class:`~elasticfw.attention.layout.BlockLayout`)
+        over a SeqInfo with a :meth:`~elasticfw.attention.seq.SeqInfo.host_signature` is kept
+        (the last :data:`MASK_CACHE_SIZE`) and reused by later calls with the same layout object,
+        shapes and ``keep_key``: a hashable host-side description of ``keep_heads`` that the caller
+        vouches for (without it, a call with ``keep_heads`` is not cached)."""
         cfg = self.config
         impl = self.implementation(q.device)
         kb = self.kernel_block_size(layout.block_size, impl, q.device)
@@ -255,18 +270,34 @@ class FlexExecutor(Executor):
             steps = cfg.bucket_steps_per_octave
             q_pad = bucket_length(seq.num_query_blocks(kb) * kb, kb, steps)
             k_pad = bucket_length(seq.kv_capacity, kb, steps)
-        fm = to_block_mask(
-            layout,
-            seq,
-            q.shape[1],
-            kernel_block_size=kb,
-            q_padded_len=q_pad,
-            kv_padded_len=k_pad,
-            block_lookup=True if impl == "eager" else None,
-            compute_q_blocks=needs_grad and keep_heads is None,
-        )
-        if keep_heads is not None:
-            fm = restrict_heads(fm, keep_heads, compute_q_blocks=needs_grad)
+        # a reusable layout (the same object for every layer of a forward) is converted once per
+        # shape, head selection and backward need; the entry holds the layout, so its id stays its own
+        signature = seq.host_signature()
+        cache_key = None
+        fm: FlexMask | None = None
+        if layout.reusable and signature is not None and (keep_heads is None or keep_key is not None):
+            cache_key = (id(layout), signature, q.shape[1], kb, q_pad, k_pad, impl, needs_grad, keep_key)
+            hit = self._masks.get(cache_key)
+            if hit is not None and hit[0] is layout:
+                self._masks.move_to_end(cache_key)
+                fm = hit[1]
+        if fm is None:
+            fm = to_block_mask(
+                layout,
+                seq,
+                q.shape[1],
+                kernel_block_size=kb,
+                q_padded_len=q_pad,
+                kv_padded_len=k_pad,
+                block_lookup=True if impl == "eager" else None,
+                compute_q_blocks=needs_grad and keep_heads is None,
+            )
+            if keep_heads is not None:
+                fm = restrict_heads(fm, keep_heads, compute_q_blocks=needs_grad)
+            if cache_key is not None:
+                self._masks[cache_key] = (layout, fm)
+                while len(self._masks) > MASK_CACHE_SIZE:
+                    self._masks.popitem(last=False)
         qp, kp, vp = fm.pad_queries(q), fm.pad_keys(k), fm.pad_keys(v)
         if impl == "emulated":
             out, lse = emulate_flex(qp, kp, vp, fm, scale, cfg.emulation_query_chunk)

@@ -24,12 +24,19 @@ executor composes kernels instead:
   consecutive blocks (sink and local window: two); a chunk whose blocks form one run (every key
   up to the chunk, or one window) uses views.
 
+**Decode steps** (one query per sample at the last position, no key padding, known on the host
+through :meth:`~elasticfw.attention.seq.SeqInfo.host_signature`): dense causal heads are one
+unmasked SDPA call over every key (on CUDA without cuDNN, which re-plans for every new key
+length), and the other layouts take ``decode_sparse`` — ``gathered`` by default, on CUDA too:
+the query row is never padded to a 128-row FlexAttention tile, and only the key blocks it reads
+(a streaming head's sink and window) are gathered.
+
 Routed layers (:meth:`attend_routed`): when exactly one of the two layouts is dense causal, the
-call is a plain prefill, no log-sum-exp is asked for, every sample of the batch has the same
+call is a plain prefill or such a decode step, no log-sum-exp is asked for, every sample of the batch has the same
 routing and the dense heads form whole GQA groups, the dense heads run through the dense kernel
 and the other heads through the sparse path; otherwise the call falls back to the default one
 launch over the per-head combination through the sparse path (batches whose samples are routed
-differently, decode steps and chunked prefill, calls that need the log-sum-exp, e.g. NSA's
+differently, chunked prefill and padded decode steps, calls that need the log-sum-exp, e.g. NSA's
 compressed branch). What is copied in the split:
 
 * the dense group's q heads and K/V heads: views when they are a contiguous range of heads (the
@@ -87,6 +94,11 @@ class SplitConfig(ExecutorConfig):
     query_chunk: int = Field(
         192, ge=1, description="Gathered path: query rows per SDPA call (the key blocks are gathered per chunk)."
     )
+    decode_sparse: Literal["gathered", "flex"] = Field(
+        "gathered",
+        description="Sparse path of decode steps (one query row per sample): `gathered` (SDPA over only the key "
+        "blocks the row reads, no query padding) or `flex` (the query padded to one FlexAttention tile).",
+    )
 
     def check_layout_block_size(self, block_size: int) -> None:
         if self.sparse != "gathered":
@@ -121,6 +133,17 @@ def _sdpa_context(backends: list):  # type: ignore[no-untyped-def]
 def _plain_prefill(seq: SeqInfo) -> bool:
     """Queries are every position from 0 (``is_causal`` then means exactly ``key <= position``)."""
     return seq.q_len == seq.kv_capacity and not bool(seq.q_start.any())
+
+
+def _dense_decode(seq: SeqInfo) -> bool:
+    """One query per sample at the last position, no key padding (known on the host): its causal
+    keys are every key, so dense attention needs no mask."""
+    return seq.q_len == 1 and seq.host_signature() is not None
+
+
+def _dense_shape(seq: SeqInfo) -> bool:
+    """Dense causal attention of these queries is one unmasked SDPA call (prefill or decode)."""
+    return _plain_prefill(seq) or _dense_decode(seq)
 
 
 def _take_heads(t: torch.Tensor, heads: list[int]) -> torch.Tensor:
@@ -167,8 +190,11 @@ class SplitExecutor(Executor):
         self._flex: FlexExecutor | None = None
 
     # -- decisions -----------------------------------------------------------------------------
-    def sparse_path(self, device: torch.device) -> str:
-        """``flex`` or ``gathered``: the path of layouts that are not dense causal, on ``device``."""
+    def sparse_path(self, device: torch.device, seq: SeqInfo | None = None) -> str:
+        """``flex`` or ``gathered``: the path of layouts that are not dense causal, on ``device``
+        (for decode steps of ``seq``, one query row per sample: ``decode_sparse``)."""
+        if seq is not None and seq.q_len == 1:
+            return self.config.decode_sparse
         choice = self.config.sparse
         if choice == "auto":
             return "flex" if device.type == "cuda" else "gathered"
@@ -176,7 +202,7 @@ class SplitExecutor(Executor):
 
     def dense_ok(self, layout: BlockLayout, seq: SeqInfo, need_lse: bool) -> bool:
         """Whether ``layout`` runs through the dense causal kernel."""
-        return layout.dense_causal and not need_lse and _plain_prefill(seq)
+        return layout.dense_causal and not need_lse and _dense_shape(seq)
 
     # -- the contract ------------------------------------------------------------------------
     def attend(
@@ -191,7 +217,7 @@ class SplitExecutor(Executor):
         need_lse: bool = True,
     ) -> AttentionOutput:
         if self.dense_ok(layout, seq, need_lse):
-            return AttentionOutput(self.dense(q, k, v, scale=scale), None)
+            return AttentionOutput(self.dense(q, k, v, scale=scale, causal=seq.q_len > 1), None)
         return self.sparse(q, k, v, layout, seq, scale=scale, need_lse=need_lse)
 
     def attend_routed(
@@ -215,15 +241,19 @@ class SplitExecutor(Executor):
         dense_q, dense_kv = dense_heads
         sparse_layout, sparse_heads = (lay_s, hard) if lay_r.dense_causal else (lay_r, ~hard)
         hq = q.shape[1]
+        causal = seq.q_len > 1
         if not dense_q:
             return self.sparse(q, k, v, sparse_layout, seq, scale=scale, need_lse=False)
         if len(dense_q) == hq:
-            return AttentionOutput(self.dense(q, k, v, scale=scale), None)
-        out_d = self.dense(_take_heads(q, dense_q), _take_heads(k, dense_kv), _take_heads(v, dense_kv), scale=scale)
+            return AttentionOutput(self.dense(q, k, v, scale=scale, causal=causal), None)
+        out_d = self.dense(
+            _take_heads(q, dense_q), _take_heads(k, dense_kv), _take_heads(v, dense_kv), scale=scale, causal=causal
+        )
         # the sparse group over all heads, the dense heads' rows empty: no q/K/V copy, one kernel shape
-        if self.sparse_path(q.device) == "flex":  # the layout's mask converted once, dense heads dropped
+        if self.sparse_path(q.device, seq) == "flex":  # the layout's mask converted once, dense heads dropped
             out_s = self.flex_executor().attend(
-                q, k, v, sparse_layout, seq, scale=scale, need_lse=False, keep_heads=sparse_heads[:1]
+                q, k, v, sparse_layout, seq, scale=scale, need_lse=False, keep_heads=sparse_heads[:1],
+                keep_key=("dense_q", *dense_q),
             ).out
         else:
             rest = select_heads(sparse_heads, sparse_layout, _empty_like_layout(sparse_layout))
@@ -245,7 +275,7 @@ class SplitExecutor(Executor):
     ) -> tuple[list[int], list[int]] | None:
         """(dense query heads, their KV heads) when a routed call splits, else ``None`` (one launch)."""
         lay_r, lay_s = layouts
-        if need_lse or lay_r.dense_causal == lay_s.dense_causal or not _plain_prefill(seq):
+        if need_lse or lay_r.dense_causal == lay_s.dense_causal or not _dense_shape(seq):
             return None
         hq, hkv = q.shape[1], k.shape[1]
         if hard.shape != (q.shape[0], hq):
@@ -270,25 +300,37 @@ class SplitExecutor(Executor):
             self._flex = FlexExecutor(self.config.flex_config())
         return self._flex
 
-    def dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -> torch.Tensor:
-        """Dense causal attention of a plain prefill (GQA without repeating K/V)."""
+    def dense(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool = True
+    ) -> torch.Tensor:
+        """Dense causal attention (GQA without repeating K/V) of a plain prefill (``causal``) or of a
+        decode step (one query at the last position: every key, no mask). On CUDA a decode step
+        with ``dense_backend: auto`` skips cuDNN, which rebuilds its plan for every new key length
+        (about 9 ms of host time per call on an H200; results/bench/decode-memory.md)."""
         backend = self.config.dense_backend
         if q.device.type != "cuda":
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
         if backend == "flash_attn":
-            return self._flash_attn(q, k, v, scale)
-        with _sdpa_context(_sdpa_backends(backend)):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            return self._flash_attn(q, k, v, scale, causal)
+        backends = _sdpa_backends(backend)
+        if not causal and backend == "auto":
+            backends = backends[1:]  # cuDNN first in the list: not for decode shapes
+        with _sdpa_context(backends):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
 
     @staticmethod
-    def _flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def _flash_attn(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = True
+    ) -> torch.Tensor:
         try:
             from flash_attn import flash_attn_func
         except ImportError as exc:
             raise BackendUnavailableError(
                 f"executor 'split': dense_backend 'flash_attn' needs the flash-attn package ({exc})"
             ) from exc
-        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, softmax_scale=scale)
+        out = flash_attn_func(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, softmax_scale=scale
+        )
         return out.transpose(1, 2)
 
     def sparse(
@@ -302,7 +344,7 @@ class SplitExecutor(Executor):
         scale: float,
         need_lse: bool,
     ) -> AttentionOutput:
-        if self.sparse_path(q.device) == "flex":
+        if self.sparse_path(q.device, seq) == "flex":
             return self.flex_executor().attend(q, k, v, layout, seq, scale=scale, need_lse=need_lse)
         return self.gathered(q, k, v, layout, seq, scale=scale, need_lse=need_lse)
 

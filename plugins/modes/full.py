@@ -22,6 +22,7 @@ class FullAttention(AttentionMode):
 
     name = "full"
     config_class = FullConfig
+    layout_depends_on_inputs = False  # the layout is a function of seq and the config alone
 
     def build_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> BlockLayout:
         return causal_layout(seq, self.block_size)

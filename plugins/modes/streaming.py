@@ -57,6 +57,7 @@ class StreamingAttention(AttentionMode):
 
     name = "streaming"
     config_class = StreamingConfig
+    layout_depends_on_inputs = False  # the layout is a function of seq and the config alone
     config: StreamingConfig
 
     def build_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> BlockLayout:

@@ -43,7 +43,7 @@ layout per KV head (``Hkv`` heads), shared by the group (a single pattern per ro
 
 **Memory.** The estimate is chunked over ``chunk_size`` query positions (``C = chunk_size``,
 ``Sk'`` = key capacity rounded up to a block, ``NQB``/``NKB`` layout rows/columns). Beyond the
-inputs, peak bytes are about::
+inputs, the torch path's peak bytes are about::
 
     4*B*Hkv*Sk'*d                      float32 key copy (padding zeroed)
   + 4*B*Hq*(C/S)*(Sk'/S)               one float32 score tile per chunk, soft-maxed in place
@@ -55,6 +55,22 @@ e.g. 128K tokens, B=1, Hq=32, Hkv=8, d=128, S=16, bs=64, C=16384: 0.5 GiB keys +
 + 0.5 GiB queries + 0.5 GiB selection + 0.125 GiB layout (about 2.6 GiB; halve C to halve the
 chunk terms). Keys are trimmed per chunk to the chunk's last causal block, so early chunks
 cost less. The result does not depend on ``chunk_size``.
+
+**Triton path** (``estimator``: ``auto`` on CUDA, or ``triton``): the fused estimator of
+:mod:`elasticfw.kernels.xattention_estimate` reads ``q`` and ``k`` in place and in their dtype
+(bfloat16 and float16 products are exact in float32 accumulation; float32 inputs are multiplied
+in IEEE float32), in two passes over the strided scores (softmax statistics per strided row,
+then the probabilities summed per block) without storing them, and
+:mod:`elasticfw.kernels.xattention_select` selects with a sort and a cumulative sum per row in
+one Triton program. Beyond the inputs it holds::
+
+    8*B*Hq*NQB*bs/S                    per strided row: softmax max and sum (float32)
+  + 4*B*Hq*(C/bs)*NKB                  the chunk's mass
+  + B*H*NQB*NKB                        the bool layout
+
+(128K with the sizes above: 2 MiB + 64 MiB + 128 MiB). Its masses equal the torch path's up to
+float32 summation order; a block whose cumulative mass lies within rounding of the threshold
+can therefore be decided differently (as between the torch path on a CPU and on a GPU).
 """
 
 from __future__ import annotations
@@ -75,6 +91,8 @@ from elasticfw.attention.patterns import (
     threshold_select,
 )
 from elasticfw.attention.seq import SeqInfo
+from elasticfw.errors import BackendUnavailableError
+from elasticfw.kernels import triton_unavailable
 
 __all__ = ["XAttention", "XAttentionConfig", "antidiagonal_scores", "block_mass", "select_blocks"]
 
@@ -104,6 +122,12 @@ class XAttentionConfig(ModeConfig):
         ge=1,
         description="Query positions estimated at once (a multiple of block_size); bounds memory, never changes "
         "the result. Paper: 16384.",
+    )
+    estimator: Literal["auto", "torch", "triton"] = Field(
+        "auto",
+        description="Planning backend (estimate and selection): `auto` runs the fused Triton kernels on CUDA "
+        "when they can run there and the PyTorch reference elsewhere; `torch` always the reference; `triton` "
+        "always the kernels (an error where they cannot run). Same masses up to float32 summation order.",
     )
 
     @field_validator("threshold")
@@ -161,6 +185,30 @@ class XAttention(AttentionMode):
     config_class = XAttentionConfig
     config: XAttentionConfig
 
+    def planning_backend(self, q: torch.Tensor) -> Literal["torch", "triton"]:
+        """The backend :meth:`build_layout` uses for ``q`` (``estimator`` resolved on its device):
+        ``auto`` picks the Triton kernels on CUDA when they can run, torch elsewhere; a pinned
+        ``triton`` that cannot run raises :class:`~elasticfw.errors.BackendUnavailableError`."""
+        choice = self.config.estimator
+        if choice == "torch":
+            return "torch"
+        reason = triton_unavailable(q.device)
+        if reason is None:
+            try:
+                from elasticfw.kernels.xattention_estimate import unsupported
+            except ImportError as exc:  # an installed but broken triton
+                reason = f"the Triton kernels failed to import ({exc})"
+            else:
+                reason = unsupported(q, block_size=self.config.block_size, stride=self.config.stride)
+        if choice == "auto":
+            return "triton" if reason is None and q.device.type == "cuda" else "torch"
+        if reason is not None:
+            raise BackendUnavailableError(
+                f"xattention: sparse_mode.estimator = 'triton' cannot run here: {reason} "
+                "(set estimator to 'auto' or 'torch')"
+            )
+        return "triton"
+
     def build_layout(
         self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, *, scale: float | None = None
     ) -> BlockLayout:
@@ -169,6 +217,7 @@ class XAttention(AttentionMode):
         seq.check(q, k)
         if cfg.threshold >= 1.0:
             return causal_layout(seq, bs)
+        backend = self.planning_backend(q)
         batch, hq = q.shape[:2]
         hkv = k.shape[1]
         by_group = cfg.head_aggregation == "kv_group"
@@ -176,11 +225,21 @@ class XAttention(AttentionMode):
         nqb, nkb = seq.num_query_blocks(bs), seq.num_key_blocks(bs)
         blocks = torch.zeros(batch, heads, nqb, nkb, dtype=torch.bool, device=q.device)
         qbs = seq.q_block_start(bs)
-        for t0, t1, mass in iter_antidiagonal_mass(
-            q, k, seq, block_size=bs, stride=cfg.stride, chunk_size=cfg.chunk_size, scale=scale
-        ):
+        chunks = iter_antidiagonal_mass(
+            q, k, seq, block_size=bs, stride=cfg.stride, chunk_size=cfg.chunk_size, scale=scale, backend=backend
+        )
+        if backend == "triton":
+            from elasticfw.kernels.xattention_select import select_blocks_triton
+
+            first_max = int(qbs.max().item()) if batch else 0
+        for t0, t1, mass in chunks:
             if by_group:
                 mass = reduce_groups(mass, hkv, "sum")
             row_block = qbs[:, None] + torch.arange(t0, t1, device=q.device)[None, :]
-            blocks[:, :, t0:t1] = select_blocks(mass, row_block, cfg.threshold)
+            if backend == "triton":
+                select_blocks_triton(
+                    mass, row_block, cfg.threshold, out=blocks[:, :, t0:t1], max_row_block=first_max + t1 - 1
+                )
+            else:
+                blocks[:, :, t0:t1] = select_blocks(mass, row_block, cfg.threshold)
         return BlockLayout(blocks, bs)

@@ -10,11 +10,17 @@ Per routed layer, head-agnostic weights applied to every KV head:
    straight-through gradient; inference: no noise, arg max.
 
 About 0.27M parameters per layer at d' = 128, as in the paper.
+
+At inference the eager path costs the dispatch of about eleven small operations per layer. The
+``kernel`` field selects instead one fused Triton kernel per layer
+(:mod:`elasticfw_plugins.routers.mlp_fused`): pooling, both MLPs, softmax and the decision in one
+launch, when the keys take the pooling fast path (no padding, Sk >= 2 x pool_tokens). Training
+always runs the eager operations, which autograd differentiates.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from pydantic import Field
@@ -22,6 +28,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from elasticfw.attention.seq import SeqInfo
+from elasticfw.errors import BackendUnavailableError
+from elasticfw.kernels import triton_unavailable
 from elasticfw.routing.base import HeadLayout, Router, RouterConfig, RouterDecision
 from elasticfw.routing.gumbel import TemperatureSchedule, gumbel_softmax_sparse_prob, straight_through
 
@@ -35,6 +43,23 @@ class MLPRouterConfig(RouterConfig):
     tau_min: float = Field(0.3, gt=0, description="Temperature floor.")
     tau_rate: float = Field(0.6, ge=0, description="Decay rate r of tau(p) = max(tau_min, tau_init exp(-r p)) (paper: 0.6).")
     tau_units: float = Field(10.0, gt=0, description="p at the end of training (p = progress * tau_units).")
+    kernel: Literal["auto", "eager", "triton"] = Field(
+        "auto",
+        description=(
+            "Inference path (training is always eager). eager: one PyTorch operation at a time. triton: "
+            "one fused Triton kernel per layer (pooling, both MLPs, decision), an error if Triton cannot run "
+            "on the keys' device; keys with padding or Sk < 2 x pool_tokens are pooled eagerly, then the "
+            "fused kernel runs the rest; its results carry no autograd history. auto: triton for CUDA keys "
+            "on the pooling fast path when Triton is usable and autograd would not record, else eager."
+        ),
+    )
+
+
+def pool_fast_path(keys: torch.Tensor, seq: SeqInfo, pool_tokens: int) -> bool:
+    """Whether every sample's first and last ``pool_tokens`` keys are the two ends of ``keys``:
+    no padding and Sk >= 2 x pool_tokens (no gather needed)."""
+    sk = keys.shape[2]
+    return sk >= 2 * pool_tokens and sk == seq.kv_capacity and seq.keys_unpadded()
 
 
 def boundary_pool(keys: torch.Tensor, seq: SeqInfo, pool_tokens: int) -> torch.Tensor:
@@ -43,7 +68,7 @@ def boundary_pool(keys: torch.Tensor, seq: SeqInfo, pool_tokens: int) -> torch.T
     Only those (at most 2N) tokens are read, so the cost does not grow with the sequence.
     """
     batch, heads, sk, dim = keys.shape
-    if sk >= 2 * pool_tokens and sk == seq.kv_capacity and seq.keys_unpadded():  # no padding, no gather
+    if pool_fast_path(keys, seq, pool_tokens):  # no padding, no gather
         # the first and last N tokens as one (B, H, 2, N, D) strided view of ``keys``: one reduction
         s0, s1, s2, s3 = keys.stride()
         ends = keys.as_strided(
@@ -70,6 +95,15 @@ class _LayerRouter(nn.Module):
         self.router_mlp = nn.Sequential(
             nn.Linear(dim, hidden), nn.SiLU(), nn.Linear(hidden, dim), nn.SiLU(), nn.Linear(dim, 2)
         )
+
+    def kernel_params(self) -> tuple[torch.Tensor, ...]:
+        """The ten weights and biases in the fused kernel's order (task MLP, then router MLP),
+        read through the module dictionaries: attribute lookup on modules costs microseconds."""
+        task, router = self._modules["task_mlp"]._modules, self._modules["router_mlp"]._modules  # type: ignore[union-attr]
+        out: list[torch.Tensor] = []
+        for lin in (task["0"], task["2"], router["0"], router["2"], router["4"]):
+            out += (lin._parameters["weight"], lin._parameters["bias"])  # type: ignore[union-attr, arg-type]
+        return tuple(out)
 
     def forward(self, pooled: torch.Tensor) -> torch.Tensor:
         # the Sequentials' layers applied directly (same parameters and result): a router runs once
@@ -100,12 +134,18 @@ class MLPRouter(Router):
                 nn.init.normal_(last.weight, std=0.02)
                 last.bias.copy_(torch.tensor([0.0, float(torch.log(torch.tensor(p / (1 - p))))]))
         self.schedule = TemperatureSchedule(config.tau_init, config.tau_min, config.tau_rate, config.tau_units)
+        #: the fused kernel's verdict per (layer, key dtype, device, head dim, weight dtype, device): None = runs
+        self._fused_reasons: dict[tuple, str | None] = {}
 
     def temperature(self) -> float:
         return self.schedule(self.progress)
 
     def decide(self, layer: int, keys: torch.Tensor, seq: SeqInfo) -> RouterDecision:
         module = self.layers[layer]
+        if not self.training and self.config.kernel != "eager":
+            fused = self._fused_decide(cast(_LayerRouter, module), keys, seq)
+            if fused is not None:
+                return fused
         pooled = boundary_pool(keys, seq, self.config.pool_tokens).to(module.task_mlp[0].weight.dtype)
         logits = module(pooled)  # (B, H, 2)
         if self.training:
@@ -117,3 +157,39 @@ class MLPRouter(Router):
         # mode), which is what rounding P half-to-even gives, in one operation
         prob = torch.softmax(logits.float(), dim=-1)[..., 1]
         return RouterDecision(torch.round(prob), prob, logits)
+
+    def _fused_decide(self, module: _LayerRouter, keys: torch.Tensor, seq: SeqInfo) -> RouterDecision | None:
+        """The inference decision from the fused kernel, or ``None`` where ``kernel: auto`` keeps the
+        eager path. ``kernel: triton`` raises when the kernel cannot run."""
+        pool_tokens = self.config.pool_tokens
+        pinned = self.config.kernel == "triton"
+        params = module.kernel_params()
+        if not pinned and (keys.device.type != "cuda" or (torch.is_grad_enabled() and params[0].requires_grad)):
+            return None
+        fast = pool_fast_path(keys, seq, pool_tokens)
+        if not pinned and not fast:
+            return None
+        # whether the kernel takes these weights and keys: asked once per (layer, dtypes, devices, head dim)
+        check = (id(module), keys.dtype, keys.device, keys.shape[-1], params[0].dtype, params[0].device)
+        reason = self._fused_reasons.get(check, "")
+        if reason == "":
+            reason = triton_unavailable(keys.device)
+            if reason is None:
+                from elasticfw_plugins.routers import mlp_fused  # imports Triton
+
+                reason = mlp_fused.unsupported(params, keys)
+            self._fused_reasons[check] = reason
+        if reason is not None:
+            if not pinned:
+                return None
+            raise BackendUnavailableError(
+                f"elastic.router.kernel = 'triton' but the fused router kernel cannot run here: {reason}; "
+                "use kernel: auto (fused where it can run, else eager) or eager"
+            )
+        from elasticfw_plugins.routers import mlp_fused  # imported by the check above: a dictionary lookup
+
+        if fast:
+            hard, prob, logits = mlp_fused.fused_decide(params, keys, pool_tokens)
+        else:  # padding or a short sequence: the eager gather pooling, then the fused MLPs and decision
+            hard, prob, logits = mlp_fused.fused_mlp(params, boundary_pool(keys, seq, pool_tokens))
+        return RouterDecision(hard, prob, logits)

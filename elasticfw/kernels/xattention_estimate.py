@@ -1,0 +1,389 @@
+"""Fused XAttention antidiagonal estimate (Triton): the block mass without the score matrix.
+
+Computes what :func:`elasticfw.attention.patterns.iter_antidiagonal_mass` computes (the
+definition, with its grid, padding and causality rules, is ``plugins/modes/xattention.py``'s
+module docstring) in two passes over the strided score matrix, never storing it:
+
+* **Scores.** For strided query row ``m`` and strided key ``n`` (stride ``S``)::
+
+      A[m, n] = sum_{i<S} q[m*S + i] . k[n*S + S-1-i]
+
+  is a sum of ``S`` matrix products per tile of ``BLOCK_M`` strided rows x ``BLOCK_N`` strided
+  keys: step ``i`` loads query rows ``m*S + i`` (every ``S``-th row of ``q``, read in place
+  through its strides) and key rows ``n*S + S-1-i``, and adds their ``tl.dot`` into a float32
+  accumulator. The inputs stay in their dtype: products of bfloat16 or float16 values are exact
+  in float32, and float32 inputs are multiplied in IEEE float32 (``input_precision="ieee"``, no
+  TF32). Query rows that hold no real query of the sample (before ``q_start``, past the call's
+  rows or at or past ``kv_len``) and keys at or past ``kv_len`` are loaded as zero vectors, like
+  the reference's zeroed grid rows and keys (zero keys are *not* masked out of the softmax).
+* **Pass 1** (:func:`_stats_kernel`, one program per ``BLOCK_M`` strided rows): the online
+  maximum and sum of ``exp`` of ``A * scale / S`` over the strided-causal keys ``n <= m``.
+* **Pass 2** (:func:`_mass_kernel`, one program per ``BLOCK_M`` rows x ``BLOCK_N`` keys):
+  the same tile again, ``p = exp(s - max) / sum``, zero for rows without a real query, summed
+  into ``(block/S) x (block/S)`` cells and written to ``mass`` (B, Hq, rows, NKB) float32. Each
+  program owns whole query blocks x key blocks, so there are no atomics.
+
+Rows and keys are indexed within a tile as (block, member) pairs padded to a power of two
+(``GROUP_PAD = next_pow2(block/S)``), so a tile always holds whole blocks and the cell sums are
+a reshape; when ``block/S`` is a power of two (the defaults: 64/16 = 4) nothing is padded.
+Pass 1 runs once for all layout rows (its statistics are 8 bytes per strided row and query
+head); pass 2 runs per chunk of ``chunk_size`` positions, which bounds the ``mass`` it returns.
+Beyond the inputs, memory is ``8*B*Hq*NQB*bs/S`` bytes of row statistics plus one chunk's mass
+``4*B*Hq*(C/bs)*NKB``; nothing is quadratic in ``S`` or in the sequence.
+
+Tile sizes, warps and pipeline stages are the module constants below (chosen for Hopper; tune
+them there). :func:`unsupported` says when the kernels cannot run (no Triton on the device, a
+dtype other than float16 / bfloat16 / float32, ``block/S`` above :data:`MAX_GROUP`, head dim
+above :data:`MAX_HEAD_DIM`); callers then use the torch reference.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+import triton
+import triton.language as tl
+
+from elasticfw.attention.seq import SeqInfo
+from elasticfw.errors import BackendUnavailableError
+from elasticfw.kernels import interpreting, triton_unavailable
+
+__all__ = [
+    "antidiagonal_mass_triton",
+    "iter_antidiagonal_mass_triton",
+    "unsupported",
+]
+
+#: strided query rows per program (a power of two, >= 16); each program holds BLOCK_M x BLOCK_N scores
+BLOCK_M = 128
+#: strided keys per inner step (a power of two, >= 16)
+BLOCK_N = 64
+NUM_WARPS = 8
+NUM_STAGES = 3
+#: shared memory the operand pipeline may use per program: tiles shrink (and then stages) to fit
+SMEM_BUDGET = 160 * 1024
+#: the largest ``next_pow2(block_size / stride)`` (a tile holds at least one whole block)
+MAX_GROUP = 128
+#: the largest head dim (padded to a power of two, kept whole in each tile)
+MAX_HEAD_DIM = 256
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LOG2E = 1.4426950408889634
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def unsupported(q: torch.Tensor, *, block_size: int, stride: int) -> str | None:
+    """``None`` when the kernels can estimate ``q`` (B, Hq, Sq, D) at this block size and stride,
+    else why not (the device, the dtype or the shape)."""
+    reason = triton_unavailable(q.device)
+    if reason is not None:
+        return reason
+    if q.dtype not in _DTYPES:
+        return f"the Triton estimator takes float16, bfloat16 or float32 inputs, not {q.dtype}"
+    if stride < 1 or block_size % stride:
+        return f"block_size {block_size} is not a multiple of stride {stride}"
+    group = _next_pow2(block_size // stride)
+    if group > MAX_GROUP:
+        return (
+            f"block_size / stride = {block_size // stride} strided rows per block is above the Triton "
+            f"estimator's {MAX_GROUP}"
+        )
+    if q.shape[-1] > MAX_HEAD_DIM:
+        return f"head_dim {q.shape[-1]} is above the Triton estimator's {MAX_HEAD_DIM}"
+    return None
+
+
+def _tiles(elsize: int, d_pad: int, group_pad: int, block_m: int | None, block_n: int | None) -> tuple[int, int, int]:
+    """(block_m, block_n, stages): the defaults shrunk to fit :data:`SMEM_BUDGET`, never below a
+    whole block (``group_pad``) or the 16 rows ``tl.dot`` needs."""
+    floor = max(16, group_pad)
+    bm = max(block_m or BLOCK_M, floor)
+    bn = max(block_n or BLOCK_N, floor)
+    stages = NUM_STAGES
+    if block_m is None or block_n is None:
+        while (bm + bn) * d_pad * elsize * stages > SMEM_BUDGET:
+            if block_n is None and bn > floor and bn >= bm:
+                bn //= 2
+            elif block_m is None and bm > floor:
+                bm //= 2
+            elif stages > 1:
+                stages -= 1
+            else:
+                break
+    for name, value in (("block_m", bm), ("block_n", bn)):
+        if value & (value - 1):
+            raise ValueError(f"Triton antidiagonal estimate: {name} must be a power of two, got {value}")
+    return bm, bn, stages
+
+
+# ---------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _antidiagonal_tile(
+    q_base, k_base, m_abs, row_ok, lo, hi, n_idx, col_ok, kv_len,
+    stride_qs, stride_qd, stride_ks, stride_kd, n_steps,
+    STRIDE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """(BLOCK_M, BLOCK_N) float32 ``A[m, n] = sum_i q[m*S + i] . k[n*S + S-1-i]`` (``n_steps``
+    is ``STRIDE``, or 0 for a tile known to be all masked); absent rows and keys read as zeros."""
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(0, n_steps):
+        qpos = m_abs * STRIDE + i
+        q_ok = row_ok & (qpos >= lo) & (qpos < hi)
+        q_rows = (qpos - lo).to(tl.int64) * stride_qs
+        qv = tl.load(
+            q_base + q_rows[:, None] + d[None, :] * stride_qd, mask=q_ok[:, None] & d_ok[None, :], other=0.0
+        )
+        kpos = n_idx * STRIDE + (STRIDE - 1 - i)
+        k_ok = col_ok & (kpos < kv_len)
+        k_rows = kpos.to(tl.int64) * stride_ks
+        kv = tl.load(
+            k_base + k_rows[:, None] + d[None, :] * stride_kd, mask=k_ok[:, None] & d_ok[None, :], other=0.0
+        )
+        if UPCAST:  # the interpreter multiplies bfloat16 bit patterns as integers: upcast (exact)
+            qv = qv.to(tl.float32)
+            kv = kv.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(qv, tl.trans(kv), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(qv, tl.trans(kv), acc)
+    return acc
+
+
+@triton.jit
+def _stats_kernel(
+    q_ptr, k_ptr, q_start_ptr, kv_len_ptr, row_max_ptr, row_sum_ptr,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    q_len, num_rows, num_key_blocks, num_q_heads, group_size, stat_stride, qk_scale,
+    STRIDE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Pass 1: per strided row, the max and the sum of ``exp2`` of the scaled scores over the
+    strided-causal keys (base-2 logits: ``qk_scale`` includes log2(e))."""
+    ROW_BLOCKS: tl.constexpr = BLOCK_M // GROUP_PAD
+    KEY_BLOCKS: tl.constexpr = BLOCK_N // GROUP_PAD
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows first
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(q_start_ptr + b).to(tl.int32)
+    kv_len = tl.load(kv_len_ptr + b).to(tl.int32)
+    lo = q_start
+    hi = tl.minimum(q_start + q_len, kv_len)  # real query positions: [lo, hi)
+    first_block = q_start // (GROUP * STRIDE)
+
+    r = tl.arange(0, BLOCK_M)
+    t = tile * ROW_BLOCKS + r // GROUP_PAD  # layout row
+    gi = r % GROUP_PAD
+    m_abs = (first_block + t) * GROUP + gi  # absolute strided row
+    row_ok = (gi < GROUP) & (t < num_rows)
+    real = row_ok & (m_abs * STRIDE < hi) & (m_abs * STRIDE + STRIDE > lo)
+    last = tl.max(tl.where(real, m_abs, -1), axis=0)
+    key_tiles = tl.cdiv(num_key_blocks, KEY_BLOCKS)
+    n_tiles = tl.where(last >= 0, tl.minimum(key_tiles, (last // GROUP) // KEY_BLOCKS + 1), 0)
+
+    q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + (h // group_size).to(tl.int64) * stride_kh
+    row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    row_sum = tl.zeros((BLOCK_M,), tl.float32)
+    c = tl.arange(0, BLOCK_N)
+    for kt in range(0, n_tiles):
+        kb = kt * KEY_BLOCKS + c // GROUP_PAD
+        gj = c % GROUP_PAD
+        n_idx = kb * GROUP + gj
+        col_ok = (gj < GROUP) & (kb < num_key_blocks)
+        s = _antidiagonal_tile(
+            q_base, k_base, m_abs, row_ok, lo, hi, n_idx, col_ok, kv_len,
+            stride_qs, stride_qd, stride_ks, stride_kd, STRIDE,
+            STRIDE, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, IEEE, UPCAST,
+        )
+        s = tl.where(col_ok[None, :] & (n_idx[None, :] <= m_abs[:, None]), s * qk_scale, float("-inf"))
+        # key n = 0 is in the first tile and causal for every row, so new_max is finite
+        new_max = tl.maximum(row_max, tl.max(s, axis=1))
+        row_sum = row_sum * tl.exp2(row_max - new_max) + tl.sum(tl.exp2(s - new_max[:, None]), axis=1)
+        row_max = new_max
+    out = (b * num_q_heads + h).to(tl.int64) * stat_stride + tile * BLOCK_M + r  # = row t*GROUP_PAD + gi
+    tl.store(row_max_ptr + out, row_max)
+    tl.store(row_sum_ptr + out, row_sum)
+
+
+@triton.jit
+def _mass_kernel(
+    q_ptr, k_ptr, q_start_ptr, kv_len_ptr, row_max_ptr, row_sum_ptr, out_ptr,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_ob, stride_oh, stride_ot, stride_on,
+    q_len, row0, row1, num_key_blocks, num_key_tiles, num_q_heads, group_size, stat_stride, qk_scale,
+    STRIDE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Pass 2: the probabilities of one tile summed into its (query block, key block) cells, for
+    layout rows ``[row0, row1)`` (``out`` row 0 is layout row ``row0``)."""
+    ROW_BLOCKS: tl.constexpr = BLOCK_M // GROUP_PAD
+    KEY_BLOCKS: tl.constexpr = BLOCK_N // GROUP_PAD
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    tile = pid // num_key_tiles
+    kt = pid % num_key_tiles
+    q_start = tl.load(q_start_ptr + b).to(tl.int32)
+    kv_len = tl.load(kv_len_ptr + b).to(tl.int32)
+    lo = q_start
+    hi = tl.minimum(q_start + q_len, kv_len)
+    first_block = q_start // (GROUP * STRIDE)
+
+    r = tl.arange(0, BLOCK_M)
+    t = row0 + tile * ROW_BLOCKS + r // GROUP_PAD
+    gi = r % GROUP_PAD
+    m_abs = (first_block + t) * GROUP + gi
+    row_ok = (gi < GROUP) & (t < row1)
+    real = row_ok & (m_abs * STRIDE < hi) & (m_abs * STRIDE + STRIDE > lo)
+    last = tl.max(tl.where(real, m_abs, -1), axis=0)
+    c = tl.arange(0, BLOCK_N)
+    kb = kt * KEY_BLOCKS + c // GROUP_PAD
+    gj = c % GROUP_PAD
+    n_idx = kb * GROUP + gj
+    col_ok = (gj < GROUP) & (kb < num_key_blocks)
+    # a tile wholly after every real row's diagonal (or without real rows) is all zero
+    n_steps = tl.where(last >= kt * KEY_BLOCKS * GROUP, STRIDE, 0)
+
+    q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + (h // group_size).to(tl.int64) * stride_kh
+    s = _antidiagonal_tile(
+        q_base, k_base, m_abs, row_ok, lo, hi, n_idx, col_ok, kv_len,
+        stride_qs, stride_qd, stride_ks, stride_kd, n_steps,
+        STRIDE, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, IEEE, UPCAST,
+    )
+    stat = (b * num_q_heads + h).to(tl.int64) * stat_stride + t * GROUP_PAD + gi
+    row_max = tl.load(row_max_ptr + stat, mask=real, other=0.0)
+    row_sum = tl.load(row_sum_ptr + stat, mask=real, other=1.0)
+    keep = real[:, None] & col_ok[None, :] & (n_idx[None, :] <= m_abs[:, None])
+    s = tl.where(keep, s * qk_scale, float("-inf"))
+    p = tl.exp2(s - row_max[:, None]) / row_sum[:, None]
+    cells = tl.sum(tl.sum(tl.reshape(p, (ROW_BLOCKS, GROUP_PAD, KEY_BLOCKS, GROUP_PAD)), axis=3), axis=1)
+
+    ot = tile * ROW_BLOCKS + tl.arange(0, ROW_BLOCKS)
+    on = kt * KEY_BLOCKS + tl.arange(0, KEY_BLOCKS)
+    ptrs = (
+        out_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+        + ot[:, None].to(tl.int64) * stride_ot + on[None, :] * stride_on
+    )
+    tl.store(ptrs, cells, mask=(ot < row1 - row0)[:, None] & (on < num_key_blocks)[None, :])
+
+
+# ---------------------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------------------
+
+
+def iter_antidiagonal_mass_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    seq: SeqInfo,
+    *,
+    block_size: int,
+    stride: int,
+    chunk_size: int,
+    scale: float | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """:func:`elasticfw.attention.patterns.iter_antidiagonal_mass` on the Triton kernels.
+
+    Yields ``(t0, t1, mass)`` for layout rows ``[t0, t1)``, mass (B, Hq, t1-t0, NKB) float32, the
+    same values up to float32 rounding (summation order). ``q`` and ``k`` are read in place
+    through their strides (no copy). ``block_m`` / ``block_n`` override the tile sizes (powers of
+    two); raises :class:`~elasticfw.errors.BackendUnavailableError` where :func:`unsupported`
+    gives a reason.
+    """
+    seq.check(q, k)
+    bs, s = block_size, stride
+    if s < 1 or bs % s:
+        raise ValueError(f"block_size={bs} must be a multiple of stride={s}")
+    reason = unsupported(q, block_size=bs, stride=s)
+    if reason is not None:
+        raise BackendUnavailableError(f"Triton antidiagonal estimate: {reason}")
+    batch, hq, q_len, dim = q.shape
+    hkv = k.shape[1]
+    group = bs // s
+    group_pad = _next_pow2(group)
+    d_pad = max(16, _next_pow2(dim))
+    nqb, nkb = seq.num_query_blocks(bs), seq.num_key_blocks(bs)
+    if nqb == 0:
+        return
+    bm, bn, stages = _tiles(q.element_size(), d_pad, group_pad, block_m, block_n)
+    rows_per_tile = bm // group_pad
+    keys_per_tile = bn // group_pad
+    row_tiles = triton.cdiv(nqb, rows_per_tile)
+    stat_stride = row_tiles * bm
+    dev = q.device
+    row_max = torch.empty(batch * hq, stat_stride, dtype=torch.float32, device=dev)
+    row_sum = torch.empty(batch * hq, stat_stride, dtype=torch.float32, device=dev)
+    q_start = seq.q_start.contiguous()
+    kv_len = seq.kv_len.contiguous()
+    base = scale if scale is not None else 1.0 / math.sqrt(dim)
+    qk_scale = base / s * _LOG2E
+    common = dict(
+        STRIDE=s, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=dim, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn,
+        IEEE=q.dtype == torch.float32, UPCAST=interpreting() and q.dtype == torch.bfloat16,
+        num_warps=NUM_WARPS, num_stages=stages,
+    )
+    _stats_kernel[(row_tiles, hq, batch)](
+        q, k, q_start, kv_len, row_max, row_sum,
+        *q.stride(), *k.stride(),
+        q_len, nqb, nkb, hq, hq // hkv, stat_stride, qk_scale,
+        **common,
+    )
+    first_max = int(seq.q_block_start(bs).max().item())  # one host read: the last causal key block
+    rows_per_chunk = max(1, chunk_size // bs)
+    for t0 in range(0, nqb, rows_per_chunk):
+        t1 = min(nqb, t0 + rows_per_chunk)
+        mass = torch.zeros(batch, hq, t1 - t0, nkb, dtype=torch.float32, device=dev)
+        kb_end = max(1, min(nkb, first_max + t1))  # key blocks past it are never causal here
+        key_tiles = triton.cdiv(kb_end, keys_per_tile)
+        grid = (triton.cdiv(t1 - t0, rows_per_tile) * key_tiles, hq, batch)
+        _mass_kernel[grid](
+            q, k, q_start, kv_len, row_max, row_sum, mass,
+            *q.stride(), *k.stride(), *mass.stride(),
+            q_len, t0, t1, nkb, key_tiles, hq, hq // hkv, stat_stride, qk_scale,
+            **common,
+        )
+        yield t0, t1, mass
+
+
+def antidiagonal_mass_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    seq: SeqInfo,
+    *,
+    block_size: int,
+    stride: int,
+    chunk_size: int = 16384,
+    scale: float | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """(B, Hq, NQB, NKB) float32: :func:`iter_antidiagonal_mass_triton` for every layout row."""
+    parts = [
+        m
+        for _, _, m in iter_antidiagonal_mass_triton(
+            q, k, seq, block_size=block_size, stride=stride, chunk_size=chunk_size, scale=scale,
+            block_m=block_m, block_n=block_n,
+        )
+    ]
+    if not parts:
+        return q.new_zeros(q.shape[0], q.shape[1], 0, seq.num_key_blocks(block_size), dtype=torch.float32)
+    return torch.cat(parts, dim=2)
