@@ -59,9 +59,12 @@ __all__ = [
 #: strided query rows per program (a power of two, >= 16); each program holds BLOCK_M x BLOCK_N scores
 BLOCK_M = 128
 #: strided keys per inner step (a power of two, >= 16)
-BLOCK_N = 64
+BLOCK_N = 128
 NUM_WARPS = 8
-NUM_STAGES = 3
+#: 128 x 128 tiles, 8 warps, 2 stages: the fastest of six configurations timed on one H200 at 128K
+#: (bf16, d 128, stride 16: 32.1 ms for both passes, against 35.8 for 128 x 64 / 3 stages and
+#: 38-48 for the others; results/bench/issue10-s3/xa_tiles.log)
+NUM_STAGES = 2
 #: shared memory the operand pipeline may use per program: tiles shrink (and then stages) to fit
 SMEM_BUDGET = 160 * 1024
 #: the largest ``next_pow2(block_size / stride)`` (a tile holds at least one whole block)
