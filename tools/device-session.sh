@@ -56,6 +56,9 @@ esac
 
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export ELASTICFW_SMOLLM2_GGUF=$GGUF ELASTICFW_CACHE=$STORE/cache
+# the device copy's .git is the session's first checkout, not the tree that travelled: the commit comes
+# from .whl/COMMIT (written here before the call: tools/device-carry.sh, or `git rev-parse HEAD > .whl/COMMIT`)
+if [ -z "${ELASTICFW_COMMIT:-}" ] && [ -f .whl/COMMIT ]; then ELASTICFW_COMMIT=$(cat .whl/COMMIT); fi
 export ELASTICFW_COMMIT=${ELASTICFW_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 \
   || python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .
