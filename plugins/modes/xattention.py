@@ -204,7 +204,8 @@ class XAttention(AttentionMode):
             return "triton" if reason is None and q.device.type == "cuda" else "torch"
         if reason is not None:
             raise BackendUnavailableError(
-                f"xattention: sparse_mode.estimator = 'triton' cannot run here: {reason} "
+                f"xattention: estimator = 'triton' (elastic.sparse_mode.estimator, or retrieval_mode.estimator "
+                f"when XAttention is the retrieval mode) cannot run here: {reason} "
                 "(set estimator to 'auto' or 'torch')"
             )
         return "triton"
