@@ -69,8 +69,10 @@ from elasticfw.errors import BackendUnavailableError, UnsupportedInputError
 
 #: tile size FlexAttention's default CUDA kernel configurations divide (see module docstring)
 CUDA_KERNEL_BLOCK = 128
-#: BlockMasks of reusable layouts one executor keeps (a few shapes: prefill buckets, batch sizes)
-MASK_CACHE_SIZE = 8
+#: BlockMasks of reusable layouts one executor keeps (least recently used dropped first). A mask
+#: restricted to a routing's heads holds its block lists for every query head: at 128K tokens, 32
+#: heads and 128-token tiles about 256 MB (two int32 lists of 32 x 1024 x 1024), so a few only
+MASK_CACHE_SIZE = 4
 
 
 class FlexConfig(ExecutorConfig):
