@@ -205,15 +205,20 @@ class ElasticRuntime:
 
         sparse_q = decision.sparse.repeat_interleave(hq // hkv, dim=1)  # (B, Hq)
         hard = sparse_q.detach() > 0.5
-        if self.mixing:
+        mixing = self.mixing
+        none_sparse = all_sparse = False
+        if not mixing:  # one device read for both questions below (each would be a synchronisation)
+            on_host = hard.cpu()
+            none_sparse, all_sparse = not bool(on_host.any()), bool(on_host.all())
+        if mixing:
             lay_r, lay_s = self._layouts([self.retrieval_mode, self.sparse_mode], can, window, scale)
             out_r = self.retrieval_mode.attend(q, k, v, seq, self.executor, scale=scale, layout=lay_r).out
             out_s = self.sparse_mode.attend(q, k, v, seq, self.executor, scale=scale, layout=lay_s).out
             r = sparse_q.to(out_r.dtype)[:, :, None, None]
             out = r * out_s + (1 - r) * out_r
             pairs = (lay_r, lay_s)
-        elif not bool(hard.any()) or bool(hard.all()):
-            mode = self.sparse_mode if bool(hard.all()) else self.retrieval_mode
+        elif none_sparse or all_sparse:
+            mode = self.sparse_mode if all_sparse else self.retrieval_mode
             (layout,) = self._layouts([mode], can, window, scale)
             out = mode.attend(q, k, v, seq, self.executor, scale=scale, layout=layout).out
             pairs = (layout, layout)

@@ -131,8 +131,13 @@ def _sdpa_context(backends: list):  # type: ignore[no-untyped-def]
 
 
 def _plain_prefill(seq: SeqInfo) -> bool:
-    """Queries are every position from 0 (``is_causal`` then means exactly ``key <= position``)."""
-    return seq.q_len == seq.kv_capacity and not bool(seq.q_start.any())
+    """Queries are every position from 0 (``is_causal`` then means exactly ``key <= position``).
+    Without a device read when the lengths are known on the host (``SeqInfo.dense``)."""
+    if seq.q_len != seq.kv_capacity:
+        return False
+    if seq.host_signature() is not None:  # dense: q_start = kv_capacity - q_len = 0
+        return True
+    return not bool(seq.q_start.any())
 
 
 def _dense_decode(seq: SeqInfo) -> bool:
@@ -282,9 +287,10 @@ class SplitExecutor(Executor):
             raise UnsupportedInputError(
                 f"executor 'split': hard must be (batch, query heads) = {(q.shape[0], hq)}, got {tuple(hard.shape)}"
             )
-        if not bool((hard == hard[:1]).all()):
+        host = hard.cpu()  # one device read for every decision below (each would be a synchronisation)
+        if not bool((host == host[:1]).all()):
             return None  # samples routed differently: one launch (documented)
-        dense = (~hard[0] if lay_r.dense_causal else hard[0]).view(hkv, hq // hkv)
+        dense = (~host[0] if lay_r.dense_causal else host[0]).view(hkv, hq // hkv)
         whole = dense.all(1) | ~dense.any(1)
         if not bool(whole.all()):
             return None  # a GQA group split between the two layouts: one launch
