@@ -53,6 +53,8 @@ from typing import Literal
 import torch
 
 from elasticfw.attention.seq import SeqInfo
+from elasticfw.errors import BackendUnavailableError
+from elasticfw.kernels import triton_unavailable
 
 GroupReduce = Literal["sum", "mean", "max"]
 TileReduce = Literal["sum", "mean", "max", "any", "all"]
@@ -309,9 +311,6 @@ def _triton_antidiagonal_mass(
     scale: float | None,
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
     """The ``backend="triton"`` hook: imports the kernels only when asked (Triton is optional)."""
-    from elasticfw.errors import BackendUnavailableError
-    from elasticfw.kernels import triton_unavailable
-
     reason = triton_unavailable(q.device)
     if reason is not None:
         raise BackendUnavailableError(f"antidiagonal estimate: backend 'triton' cannot run here: {reason}")

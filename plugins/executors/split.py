@@ -32,9 +32,9 @@ the query row is never padded to a 128-row FlexAttention tile, and only the key 
 (a streaming head's sink and window) are gathered.
 
 Routed layers (:meth:`attend_routed`): when exactly one of the two layouts is dense causal, the
-call is a plain prefill or such a decode step, no log-sum-exp is asked for, every sample of the batch has the same
-routing and the dense heads form whole GQA groups, the dense heads run through the dense kernel
-and the other heads through the sparse path; otherwise the call falls back to the default one
+call is a plain prefill or such a decode step, no log-sum-exp is asked for, every sample of the
+batch has the same routing and the dense heads form whole GQA groups, the dense heads run through
+the dense kernel and the other heads through the sparse path; otherwise the call falls back to the default one
 launch over the per-head combination through the sparse path (batches whose samples are routed
 differently, chunked prefill and padded decode steps, calls that need the log-sum-exp, e.g. NSA's
 compressed branch). What is copied in the split:
