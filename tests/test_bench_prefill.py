@@ -60,3 +60,31 @@ def test_a_failing_variant_is_recorded_and_the_run_goes_on(tmp_path):
     assert rc == 1 and data["failures"]
     rows = {r["variant"]: r for r in data["results"]}
     assert rows["dense:sdpa"]["error"] is None and "no_such_executor" in rows["elastic:no_such_executor:msr=0"]["error"]
+
+
+def test_prefill_bench_times_the_papers_three_hybrids(tmp_path):
+    """FA-SSA, FA-XA and XA-SSA each get their own modes: with every layer's first KV head the
+    retrieval mode and the second the sparse one, FA-XA skips only what XAttention skips on one
+    head (below FA-SSA's streaming head at 256 tokens), and XA-SSA skips FA-SSA's pairs plus
+    XAttention's on the other head."""
+    out = tmp_path / "p.json"
+    rc = prefill.main(["--device", "cpu", "--dtype", "fp32", "--model", "tiny-llama", "--seq", "256", "--layers", "1",
+                       "--executors", "split", "--msr", "0.5", "--configs", "fa-ssa", "fa-xa", "xa-ssa",
+                       "--sink", "16", "--local", "32", "--block-size", "16", "--reps", "1", "--out", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in data["results"]}
+    assert set(rows) == {"dense:sdpa", "elastic:split:msr=0", "elastic:split:fa-ssa:msr=0.5",
+                         "elastic:split:fa-xa:msr=0.5", "elastic:split:xa-ssa:msr=0.5"}
+    assert data["configs"]["xa-ssa"]["retrieval_mode"]["name"] == "xattention"
+    assert data["configs"]["xa-ssa"]["sparse_mode"]["name"] == "streaming"
+    assert data["configs"]["fa-xa"]["sparse_mode"]["name"] == "xattention"
+    esr = {name.split(":")[2]: r["esr"] for name, r in rows.items() if name.count(":") == 3}
+    # streaming on one of two heads at 256 tokens (sink 16 + local 32, blocks of 16): the
+    # causal pairs outside sink and window, halved
+    blocks = 256 // 16
+    kept = sum(min(i + 1, 1 + 2) * 1.0 for i in range(blocks))  # sink block + 2 local blocks (diagonal counted)
+    total = blocks * (blocks + 1) / 2
+    assert esr["fa-ssa"] == pytest.approx(0.5 * (1 - kept / total), abs=0.02)
+    assert 0 < esr["fa-xa"] < esr["fa-ssa"]
+    assert esr["xa-ssa"] > esr["fa-ssa"]

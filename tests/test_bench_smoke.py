@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pydantic
+import pytest
 import torch
 
 from elasticfw.attention.layout import causal_layout
@@ -73,3 +75,20 @@ def test_hybrid_layout_keeps_the_first_kv_heads_full():
     causal = causal_layout(seq, 16).blocks[0, 0]
     assert torch.equal(hybrid.blocks[0, 0], causal) and torch.equal(hybrid.blocks[0, 1], causal)
     assert not torch.equal(hybrid.blocks[0, 2], causal)
+
+
+def test_flex_set_reaches_the_flex_executor(tmp_path):
+    """``--flex-set`` configures the executor of the convert:/flex: entries (the tile size is
+    recorded per entry); a field the executor does not have is refused by its config."""
+    out = tmp_path / "bench.json"
+    rc = bench.main([*TINY, *FAST, "--seq", "128", "--check-seq", "0", "--no-backward", "--no-hybrid",
+                     "--modes", "streaming", "--set", "streaming.block_size=16", "--flex-set", "kernel_block_size=32",
+                     "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert rc == 0, data["failures"]
+    rows = {(r["name"], r["kind"]): r for r in data["results"]}
+    assert rows[("convert:streaming", "convert")]["kernel_block_size"] == 32
+    assert bench._flex_config(bench.parse_args(["--out", "x", "--flex-set", "kernel_options={BLOCK_M: 64}"])) == {
+        "implementation": "auto", "kernel_options": {"BLOCK_M": 64}}
+    with pytest.raises(pydantic.ValidationError, match="no_such_field"):
+        bench._executor("flex", **bench._flex_config(bench.parse_args(["--out", "x", "--flex-set", "no_such_field=1"])))

@@ -50,6 +50,11 @@ PREFILL = {
 ROUTER = {"benchmark": "router_overhead", "rows": [{"seq": 8192, "router_per_layer_ms": 0.05},
                                                     {"seq": L, "router_per_layer_ms": 0.12}]}
 DEMO = {"rows": [{"label": "full", "seconds": 80.0}, {"label": "all-streaming", "seconds": 60.0}]}  # demo-cpu.json form
+DENSITY = {"benchmark": "elasticfw.bench.density", "criteria": [
+    {"seq": 32768, "figure": "density 0.5 / own density 1", "value": 0.1},  # another length: ignored
+    {"seq": L, "figure": "density 0.5 / own density 1", "value": 0.55},
+    {"seq": L, "figure": "density 1 / dense cuDNN", "value": 1.38},
+]}
 
 
 def _by_figure(targets):
@@ -58,7 +63,7 @@ def _by_figure(targets):
 
 def test_every_figure_from_hand_written_jsons():
     got = _by_figure(build_targets({"a.json": ATTENTION, "p.json": PREFILL, "r.json": ROUTER, "d.json": DEMO,
-                                    "other.json": {"unrelated": 1}}))
+                                    "k.json": DENSITY, "other.json": {"unrelated": 1}}))
     assert len(got) == len(FIGURES) + 3
     for t in got.values():
         assert set(t) == {"figure", "value", "target", "met", "source"}
@@ -86,6 +91,8 @@ def test_every_figure_from_hand_written_jsons():
           1.15 * 0.2 + 0.15, False, "a.json")
     check("router, all layers, per layer", 0.12, 0.1, False, "r.json")  # at the longest sequence
     check("CPU (2 cores), demo at 1.4K tokens: all-streaming time / full time", 0.75, 1.0, True, "d.json")
+    check("block-sparse kernel @128K: 50% block density / its own 100% time", 0.55, 0.6, True, "k.json")
+    check("block-sparse kernel @128K: 100% block density / dense cuDNN", 1.38, 1.25, False, "k.json")
 
 
 def test_flex_rows_stand_in_when_split_is_absent_and_missing_figures_are_not_met():

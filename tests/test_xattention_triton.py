@@ -136,17 +136,35 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("passes", [1, 2])
 @pytest.mark.parametrize("name", list(CASES))
-def test_mass_matches_reference_and_brute_force(name):
+def test_mass_matches_reference_and_brute_force(name, passes):
     make_seq, hq, hkv, dim, bs, s, dtype, scale, chunk, tiles = CASES[name]
     seq = make_seq()
     q, k = _inputs(seq, hq, hkv, dim, dtype)
-    got = _triton_mass(q, k, seq, block_size=bs, stride=s, chunk_size=chunk, scale=scale, **tiles)
+    got = _triton_mass(q, k, seq, block_size=bs, stride=s, chunk_size=chunk, scale=scale, passes=passes, **tiles)
     ref = antidiagonal_mass(q, k, seq, block_size=bs, stride=s, chunk_size=chunk, scale=scale)
     assert got.shape == ref.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     brute = _brute_mass(q, k, seq, bs, s, scale)
     torch.testing.assert_close(got.cpu().double(), brute, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_running_max_rising_in_every_key_tile(passes):
+    """Scores that grow with the key position, so the row maximum rises in every key tile and the
+    single pass must rescale each tile's kept sums by its own running maximum."""
+    seq = _seq([0, 9], [256, 230], 240, 256)
+    g = torch.Generator().manual_seed(5)
+    direction = torch.randn(16, generator=g)
+    q = (direction + 0.1 * torch.randn(2, 2, 240, 16, generator=g)).to(DEV)
+    ramp = torch.linspace(0, 3, 256)[None, None, :, None]
+    k = (ramp * direction + 0.1 * torch.randn(2, 1, 256, 16, generator=g)).to(DEV)
+    kw = dict(block_size=16, stride=4, chunk_size=64, block_m=16, block_n=16)
+    got = _triton_mass(q, k, seq, passes=passes, **kw)
+    ref = antidiagonal_mass(q, k, seq, block_size=16, stride=4, chunk_size=64)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.cpu().double(), _brute_mass(q, k, seq, 16, 4, None), rtol=1e-5, atol=1e-6)
 
 
 def test_chunks_match_the_reference_iterator():
@@ -215,15 +233,28 @@ def _selection_cases():
         yield nkb, torch.stack([dyadic, random, zeros]), row_block
 
 
+@pytest.mark.parametrize("method", ["bisect", "sort"])
 @pytest.mark.parametrize("threshold", [0.05, 0.3, 0.5, 0.9, 0.999, 1.0])
-def test_selection_matches_select_blocks_exactly(threshold):
+def test_selection_matches_select_blocks_exactly(threshold, method):
     for nkb, mass, row_block in _selection_cases():
         mass, row_block = mass.to(DEV), row_block.to(DEV)
         ref = select_blocks(mass, row_block, threshold)
-        got = _select_triton(mass, row_block, threshold)
+        got = _select_triton(mass, row_block, threshold, method=method)
         assert torch.equal(got, ref), f"NKB {nkb}: {(got != ref).sum(-1).tolist()} blocks differ per row"
-        narrow = _select_triton(mass, row_block, threshold, max_row_block=int(row_block.max()))
+        narrow = _select_triton(mass, row_block, threshold, max_row_block=int(row_block.max()), method=method)
         assert torch.equal(narrow, ref), f"NKB {nkb} (max_row_block)"
+
+
+def test_bisection_selection_on_wide_rows_with_many_ties():
+    """Rows of 300 blocks (the bisection runs its 31 steps over every bit pattern) whose masses take
+    8 values only, so that the boundary level holds many tied candidates: kept by index order."""
+    g = torch.Generator().manual_seed(3)
+    mass = (torch.randint(0, 8, (2, 6, 300), generator=g).float() / 64).to(DEV)
+    row_block = torch.randint(150, 300, (1, 6), generator=g).to(DEV)
+    for threshold in (0.2, 0.5, 0.8, 0.95):
+        ref = select_blocks(mass[None], row_block, threshold)
+        assert torch.equal(_select_triton(mass[None], row_block, threshold), ref), threshold
+        assert torch.equal(_select_triton(mass[None], row_block, threshold, method="sort"), ref), threshold
 
 
 def test_selection_exact_crossing_and_ties():
@@ -239,6 +270,7 @@ def test_selection_exact_crossing_and_ties():
     }
     for threshold, row in expected.items():
         assert _select_triton(mass, rows, threshold)[0, 0, 0].tolist() == row, threshold
+        assert _select_triton(mass, rows, threshold, method="sort")[0, 0, 0].tolist() == row, threshold
         assert select_blocks(mass, rows, threshold)[0, 0, 0].tolist() == row, threshold
 
 

@@ -14,16 +14,25 @@ JSON under ``--out`` as it goes:
    0.875) through both (``split`` through ``attend_routed``), after a correctness check of both
    executors against the reference at 4,096 tokens (where sink 128 + local 2,048 is sparse).
 2. ``router.json`` — ``python -m elasticfw.bench.router --seq 8192 131072`` (32 layers).
-3. ``prefill.json`` — ``elasticfw bench prefill --model llama-3.1-8b --seq 32768 131072 --layers
-   4 --executors split flex --msr 0.875``: the model figures are *ratios* (best dense SDPA time /
+3. ``prefill.json`` — ``elasticfw bench prefill --model llama-3.1-8b --seq 8192 32768 131072
+   --layers 4 --executors split --msr 0.5 0.875 --configs fa-ssa fa-xa xa-ssa``: the model figures are *ratios* (best dense SDPA time /
    elastic time) measured on the first 4 of the 32 layers of the Llama-3.1-8B shape. Every layer
    has the same shape and cost, so the ratio of 4 layers differs from the ratio of 32 only by the
    embedding and the one-token LM head (below 1% of a 32K prefill); ``--layers 32`` measures the
    whole model (about 4x longer). ``--with-qwen`` adds the Qwen3-8B shape.
 
+   It times FA-SSA, FA-XA and XA-SSA at MSR 0.5 and 0.875 (``--configs``) at 8K, 32K and 128K.
 4. ``decode.json`` (only with ``--steps decode``) — ``python -m elasticfw.bench.decode_memory
    --prefill-executor split --decode-executor split``: decode step time and KV-cache memory at 32K
    and 128K context, dense vs FA-SSA with the full and the compact cache (4 layers).
+
+5. ``density.json`` — ``python -m elasticfw.bench.density --seq 131072 --tiles 128,128,8,2
+   128,64,4,3``: the flex executor on random block layouts of 100% down to 12.5% of the causal
+   blocks, against dense cuDNN (the block-sparse kernel's criteria).
+6. ``variants/`` (only with ``--steps variants``; ``targets`` does not read it): the 128K layer of
+   MoBA with ``query_granularity: block`` and NSA with ``token``, and MoBA's and NSA's 64-token
+   layouts (their defaults) on 64 x 64 FlexAttention tiles (``--flex-set``) instead of coarsened
+   to 128.
 
 then ``targets``. ``demo-cpu`` times the old CPU demo (``results/demo-cpu.json``: ``elasticfw
 compare`` on the embedded SmolLM2-135M, passkey at 1,440 tokens, 20 samples, batch 4, 8 new tokens;
@@ -80,13 +89,28 @@ def gpu(args: argparse.Namespace) -> int:
          "--check-seq", "4096", "--warmup-ms", "50", "--rep-ms", "300", "--overwrite",
          "--out", str(out / "attention_128k.json")],
         "router": [py, "-m", "elasticfw.bench.router", "--seq", "8192", "131072", "--reps", "20", "--out", str(out / "router.json")],
-        "prefill": [py, "-m", "elasticfw.cli", "bench", "prefill", "--model", *models, "--seq", "32768", "131072",
-         "--layers", layers, "--executors", "split", "flex", "--msr", "0.875", "--reps", "3", "--overwrite",
-         "--out", str(out / "prefill.json")],
+        "prefill": [py, "-m", "elasticfw.cli", "bench", "prefill", "--model", *models, "--seq", "8192", "32768", "131072",
+         "--layers", layers, "--executors", "split", "--msr", "0.5", "0.875", "--configs", "fa-ssa", "fa-xa", "xa-ssa",
+         "--reps", "3", "--overwrite", "--out", str(out / "prefill.json")],
         "decode": [py, "-m", "elasticfw.bench.decode_memory", "--prefill-executor", "split", "--decode-executor", "split",
          "--out", str(out / "decode.json")],
+        "density": [py, "-m", "elasticfw.bench.density", "--seq", "131072", "--tiles", "128,128,8,2", "128,64,4,3",
+         "--overwrite", "--out", str(out / "density.json")],
     }
-    codes = [_run(steps[name], log) for name in args.steps]
+    # beside the figures (in variants/, which targets does not read): MoBA with one selection per
+    # query tile (NSA with one per token), and both 64-token layouts on 64 x 64 FlexAttention tiles
+    variant = [py, "-m", "elasticfw.bench.attention", "--seq", "131072", "--executors", "flex", "split", "--no-backward",
+               "--no-hybrid", "--check-seq", "0", "--warmup-ms", "50", "--rep-ms", "300", "--overwrite"]
+    steps["variants"] = [
+        [*variant, "--modes", "moba", "nsa", "--set", "moba.query_granularity=block", "--set", "nsa.query_granularity=token",
+         "--out", str(out / "variants" / "granularity_128k.json")],
+        [*variant, "--modes", "moba", "nsa", "--flex-set", "kernel_block_size=64", "--flex-set",
+         "kernel_options={BLOCK_M: 64, BLOCK_N: 64}", "--out", str(out / "variants" / "tiles64_128k.json")],
+    ]
+    codes = []
+    for name in args.steps:
+        commands = steps[name] if name == "variants" else [steps[name]]
+        codes += [_run(cmd, log) for cmd in commands]
     log_path = out / "commands.log.json"
     previous = json.loads(log_path.read_text()) if log_path.exists() else []
     log_path.write_text(json.dumps(previous + log, indent=2) + "\n")
@@ -160,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--out", type=Path, default=Path("results/bench/issue10"))
     g.add_argument("--layers", type=int, default=4, help="decoder layers of the model prefill (of 32)")
     g.add_argument("--with-qwen", action="store_true", help="also the Qwen3-8B shape in the prefill benchmark")
-    g.add_argument("--steps", nargs="+", choices=["attention", "router", "prefill", "decode"],
-                   default=["attention", "router", "prefill"],
+    g.add_argument("--steps", nargs="+", choices=["attention", "router", "prefill", "decode", "density", "variants"],
+                   default=["attention", "router", "prefill", "density"],
                    help="which benchmarks to run (one call each when a command has a time limit)")
     g.set_defaults(func=gpu)
     d = sub.add_parser("demo-cpu", help="the CPU demo timing (full vs all-streaming) into demo_cpu.json")

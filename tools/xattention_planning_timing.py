@@ -96,6 +96,12 @@ def main() -> None:
                 pass
 
         results["  triton estimate only"] = timed(estimate_only, args.repeats)
+
+        def two_pass_only() -> None:
+            for _ in iter_antidiagonal_mass_triton(q, k, seq, block_size=64, stride=16, chunk_size=16384, passes=2):
+                pass
+
+        results["  triton estimate only, two passes"] = timed(two_pass_only, args.repeats)
         from elasticfw.kernels import xattention_estimate as xe
 
         for spec in args.tiles:
@@ -122,6 +128,20 @@ def main() -> None:
                 select_blocks_triton(mass, rows, 0.9, max_row_block=first + t1 - 1)
 
         results["  triton selection only"] = timed(select_only, args.repeats)
+
+        def sort_select_only() -> None:
+            for t0, t1, mass in masses:
+                rows = torch.arange(t0, t1, device="cuda")[None, :] + first
+                select_blocks_triton(mass, rows, 0.9, max_row_block=first + t1 - 1, method="sort")
+
+        results["  triton selection only, bitonic sort"] = timed(sort_select_only, args.repeats)
+        with torch.no_grad():
+            one = torch.cat(list(m for _, _, m in iter_antidiagonal_mass_triton(
+                q, k, seq, block_size=64, stride=16, chunk_size=16384)), dim=2)
+            two = torch.cat(list(m for _, _, m in iter_antidiagonal_mass_triton(
+                q, k, seq, block_size=64, stride=16, chunk_size=16384, passes=2)), dim=2)
+        rel = ((one - two).abs().max() / two.abs().max()).item()
+        print(f"one pass vs two passes: max |difference| / max mass = {rel:.2e}")
     base = next(iter(results.values()))
     for name, ms in results.items():
         print(f"{name:48s} {ms:9.2f} ms  {ms / base:6.3f}x dense")

@@ -9,7 +9,8 @@ an executor runs, in canonical coordinates (:mod:`elasticfw.attention.seq`):
   no token mask.
 * :func:`row_selection_layout` — one selection per query *row* over key groups (per-token MoBA,
   per-token NSA's selection) → each tile computes the union of its real rows' selections, is
-  *partial* where they disagree, and a token mask looks each row's own selection up.
+  *partial* where they disagree, and a token mask looks each row's own selection up;
+  :func:`row_selection_layout_from_tiles` is the same with the tiles' union and common given.
 * :func:`lines_to_layout` — selected key *columns* (vertical lines: key ``j`` for every query)
   and *diagonals* (slash lines: offset ``d = position - key``) → the blocks the lines cross,
   partial unless a block is wholly covered by its columns or by its diagonals, and the exact
@@ -86,8 +87,23 @@ def row_selection_layout(
     key group ``n`` (``key_block_size`` keys, default ``block_size``, a multiple of it), causally. A
     tile computes the union of its real rows' selections; a block is partial where they disagree,
     and the token mask returns row ``i``'s own selection. Padding rows select nothing."""
-    owner = _key_groups(seq, block_size, key_block_size, selected.shape[-1])
     union, common, _ = tile_union(selected, seq, block_size)
+    return row_selection_layout_from_tiles(selected, union, common, seq, block_size, key_block_size=key_block_size)
+
+
+def row_selection_layout_from_tiles(
+    selected: torch.Tensor,
+    union: torch.Tensor,
+    common: torch.Tensor,
+    seq: SeqInfo,
+    block_size: int,
+    *,
+    key_block_size: int | None = None,
+) -> BlockLayout:
+    """:func:`row_selection_layout` with the tiles' ``union`` and ``common`` (B, H, NQB, G) bool
+    already computed (as :func:`tile_union` returns them, e.g. by a fused kernel that selects and
+    pools in one pass); ``selected`` (B, H, Sq, G) is what the token mask looks up."""
+    owner = _key_groups(seq, block_size, key_block_size, selected.shape[-1])
     q_blocks, k_blocks = block_grid(seq, block_size)
     blocks = union[..., owner] & (k_blocks <= q_blocks)[:, None]
     partial = blocks & ~common[..., owner]

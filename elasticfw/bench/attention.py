@@ -152,6 +152,17 @@ def causal_flops(batch: int, heads: int, seq: int, dim: int) -> float:
     return 4.0 * batch * heads * dim * seq * (seq + 1) / 2
 
 
+def _flex_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The flex executor's config from ``--implementation`` and ``--flex-set FIELD=VALUE`` items."""
+    config: dict[str, Any] = {"implementation": args.implementation}
+    for item in getattr(args, "flex_set", None) or []:
+        field, sep, raw = item.partition("=")
+        if not (sep and field):
+            raise SystemExit(f"--flex-set {item!r}: expected FIELD=VALUE, e.g. kernel_block_size=64")
+        config[field] = yaml.safe_load(raw)
+    return config
+
+
 def _modes(args: argparse.Namespace) -> list[AttentionMode]:
     registry = get_registry()
     names = registry.names("sparse_mode") if not args.modes else args.modes
@@ -282,7 +293,7 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
             rec.run({"seq": S, "name": name, "kind": kind}, sdpa_body)
 
     # -- the raw FlexAttention kernel on a prebuilt causal mask --------------------------
-    executor = _executor("flex", implementation=args.implementation)
+    executor = _executor("flex", **_flex_config(args))
     impl = executor.implementation(device)
     for kind in ("fwd", "fwd_bwd"):
         if kind == "fwd_bwd" and (args.no_backward or impl == "eager"):
@@ -457,7 +468,7 @@ def correctness(N: int, args: argparse.Namespace, rec: Recorder, device: torch.d
     hq, hkv, D = args.q_heads, args.kv_heads, args.head_dim
     tol = TOLERANCE[dtype]
     lse_tol = LSE_TOLERANCE[dtype]
-    executor = _executor("flex", implementation=args.implementation)
+    executor = _executor("flex", **_flex_config(args))
     reference = _executor("reference")
     cases = {
         "prefill": SeqInfo.dense(1, N, N, device=device),
@@ -574,7 +585,7 @@ def layout_memory(
     q = torch.randn(B, hq, N, D, generator=g).to(device, dtype)
     k = torch.randn(B, hkv, N, D, generator=g).to(device, dtype)
     seq = SeqInfo.dense(B, N, N, device=device)
-    executor = _executor("flex", implementation=args.implementation)
+    executor = _executor("flex", **_flex_config(args))
     impl = executor.implementation(device)
     rows = []
     quadratic = N * N  # bytes of one dense bool mask
@@ -646,6 +657,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--implementation", default="auto", help="flex executor implementation (auto/compiled/...)"
+    )
+    p.add_argument(
+        "--flex-set",
+        action="append",
+        metavar="FIELD=VALUE",
+        help="a flex executor config field for the convert:/flex: entries, VALUE as YAML, e.g. --flex-set "
+        "kernel_block_size=64 --flex-set 'kernel_options={BLOCK_M: 64, BLOCK_N: 64}' (repeatable)",
     )
     p.add_argument(
         "--executors",

@@ -18,9 +18,14 @@ process on one model (elasticfw wraps and unwraps it):
   cuDNN first). The faster of the two is the baseline (``baseline_ms``) of every ratio.
 * ``elastic:<executor>:msr=0`` — every KV head routed to full attention (``fixed`` router,
   ``all_retrieval``), for each ``--executors`` entry.
-* ``elastic:<executor>:fa-ssa:msr=<m>`` — FA-SSA with fixed routing: in every layer the first
-  ``round((1 - m) * kv_heads)`` KV heads full, the rest streaming (``--sink``/``--local``,
-  paper defaults 128/2048, ``--block-size`` 64); ``msr`` is the realised value.
+* ``elastic:<executor>:<config>:msr=<m>`` — a hybrid of ``--configs`` (default ``fa-ssa``) with
+  fixed routing: in every layer the first ``round((1 - m) * kv_heads)`` KV heads take the
+  configuration's retrieval mode, the rest its sparse mode; ``msr`` is the realised value. The
+  configurations are the paper's names (:data:`CONFIGS`): ``fa-ssa`` (full + streaming,
+  ``--sink``/``--local``, paper defaults 128/2048), ``fa-xa`` (full + XAttention, stride 16,
+  threshold 0.9) and ``xa-ssa`` (XAttention + streaming); every mode at ``--block-size`` (64).
+  XAttention's selection depends on the q/k of the random-weight model, so its ``esr`` is the
+  figure to read beside its time.
 
 Each row holds the median of ``--reps`` timed forwards after ``--warmup`` untimed ones (the first
 call, compilation included, is ``first_call_s``), ``esr`` (all-layer effective sparsity of the
@@ -145,14 +150,34 @@ def fixed_router(msr: float, layers: int, kv_heads: int) -> tuple[dict[str, Any]
     return {"name": "fixed", "assign": "retrieval_heads", "heads": heads}, 1.0 - n_full / kv_heads
 
 
-def elastic_section(args: argparse.Namespace, executor: str, router: dict[str, Any]) -> Any:
+def _full(args: argparse.Namespace) -> dict[str, Any]:
+    return {"name": "full", "block_size": args.block_size}
+
+
+def _streaming(args: argparse.Namespace) -> dict[str, Any]:
+    return {"name": "streaming", "sink_tokens": args.sink, "local_tokens": args.local, "block_size": args.block_size}
+
+
+def _xattention(args: argparse.Namespace) -> dict[str, Any]:
+    return {"name": "xattention", "stride": 16, "threshold": 0.9, "block_size": args.block_size}
+
+
+#: hybrid configuration (the paper's "{retrieval}-{sparse}" names) -> recipe sections of its two modes
+CONFIGS: dict[str, tuple[Callable[[argparse.Namespace], dict[str, Any]], Callable[[argparse.Namespace], dict[str, Any]]]] = {
+    "fa-ssa": (_full, _streaming),
+    "fa-xa": (_full, _xattention),
+    "xa-ssa": (_xattention, _streaming),
+}
+
+
+def elastic_section(args: argparse.Namespace, executor: str, router: dict[str, Any], config: str = "fa-ssa") -> Any:
+    """The validated ``elastic`` recipe section of hybrid ``config`` (:data:`CONFIGS`) with ``router``."""
     from elasticfw.recipe import validate_recipe_data
 
+    retrieval, sparse = CONFIGS[config]
     return validate_recipe_data({"elastic": {
-        "retrieval_mode": {"name": "full", "block_size": args.block_size},
-        "sparse_mode": {
-            "name": "streaming", "sink_tokens": args.sink, "local_tokens": args.local, "block_size": args.block_size,
-        },
+        "retrieval_mode": retrieval(args),
+        "sparse_mode": sparse(args),
         "executor": {"name": executor},
         "router": router,
     }}).elastic
@@ -255,13 +280,16 @@ def bench_model(shape: str, args: argparse.Namespace, device: torch.device, repo
                 lambda row: dense_body(row, cudnn_first))
 
         for executor in args.executors:
-            for msr in [0.0, *args.msr]:
+            variants = [("fa-ssa", 0.0)] + [(config, msr) for config in args.configs for msr in args.msr]
+            for i, (config, msr) in enumerate(variants):
                 router, realised = fixed_router(msr, layers, kv_heads)
-                name = f"elastic:{executor}:msr=0" if realised == 0 else f"elastic:{executor}:fa-ssa:msr={realised:g}"
+                if realised == 0 and i > 0:
+                    continue  # a hybrid that rounds to no sparse head is the MSR-0 row (all heads full)
+                name = f"elastic:{executor}:msr=0" if realised == 0 else f"elastic:{executor}:{config}:msr={realised:g}"
 
                 def elastic_body(row: dict[str, Any], executor: str = executor, router: dict = router,
-                                 realised: float = realised) -> None:
-                    elastic = ElasticModel(model, elastic_section(args, executor, router))
+                                 realised: float = realised, config: str = config) -> None:
+                    elastic = ElasticModel(model, elastic_section(args, executor, router, config))
                     try:
                         elastic.runtime.collect_stats = True
                         start = time.perf_counter()
@@ -278,7 +306,8 @@ def bench_model(shape: str, args: argparse.Namespace, device: torch.device, repo
                     if abs(row["msr"] - realised) > 1e-6:
                         raise AssertionError(f"routing gave MSR {row['msr']} instead of {realised}")
 
-                run({"variant": name, "kind": "elastic", "executor": executor, "target_msr": msr}, elastic_body)
+                run({"variant": name, "kind": "elastic", "executor": executor, "config": None if realised == 0 else config,
+                     "target_msr": msr}, elastic_body)
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -340,7 +369,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, nargs="+", default=[8192, 32768, 131072])
     p.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers (default: all)")
     p.add_argument("--executors", nargs="+", default=["split", "flex"], help="registered executor names")
-    p.add_argument("--msr", type=float, nargs="*", default=[0.5, 0.875], help="FA-SSA MSRs besides 0")
+    p.add_argument("--msr", type=float, nargs="*", default=[0.5, 0.875], help="hybrid MSRs besides 0")
+    p.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=["fa-ssa"],
+                   help="hybrid configurations timed at each --msr (retrieval-sparse mode pairs)")
     p.add_argument("--sink", type=int, default=128)
     p.add_argument("--local", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=64)
@@ -372,6 +403,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
         "use_cache": False,
         "logits_to_keep": 1,
         "streaming": {"sink_tokens": args.sink, "local_tokens": args.local, "block_size": args.block_size},
+        "configs": {c: {"retrieval_mode": CONFIGS[c][0](args), "sparse_mode": CONFIGS[c][1](args)} for c in args.configs},
         "models": {},
         "results": [],
         "failures": [],

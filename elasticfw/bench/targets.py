@@ -18,6 +18,8 @@ recognised by its content:
   the ``split`` executor on ``llama-3.1-8b`` (runs of other models answer none), ``elastic:split:msr=0``
   and ``elastic:split:fa-ssa:msr=0.875``, at 131072 and 32768 tokens.
 * ``router_overhead`` (elasticfw.bench.router): ``router_per_layer_ms`` at the longest sequence.
+* ``elasticfw.bench.density``: the block-sparse kernel's two criteria at 128K from its
+  ``criteria`` list (50% density / own 100%, 100% density / cuDNN).
 * the CPU demo (``"benchmark": "demo_cpu"``, or any JSON with ``rows`` labelled ``full`` and
   ``all-streaming`` holding ``seconds``, as ``results/demo-cpu.json``): all-streaming / full time.
 
@@ -50,6 +52,9 @@ FIGURES: list[tuple[str, float, str]] = [
     *[(f"{label} planning @128K / dense", target, "<=") for label, target in PLANNING.values()],
     ("router, all layers, per layer", 0.1, "<="),
     ("CPU (2 cores), demo at 1.4K tokens: all-streaming time / full time", 1.0, "<="),
+    # the block-sparse kernel's criteria (the issue's "What to build")
+    ("block-sparse kernel @128K: 50% block density / its own 100% time", 0.6, "<="),
+    ("block-sparse kernel @128K: 100% block density / dense cuDNN", 1.25, "<="),
 ]
 MODE_LAYER = "xattention / moba / nsa layer @128K (plan + kernel) / dense [{mode}]"
 
@@ -58,7 +63,8 @@ def _kind(data: Any) -> str | None:
     if not isinstance(data, dict):
         return None
     bench = data.get("benchmark")
-    if bench in ("elasticfw.bench.attention", "elasticfw.bench.prefill", "router_overhead", "demo_cpu"):
+    if bench in ("elasticfw.bench.attention", "elasticfw.bench.prefill", "elasticfw.bench.density", "router_overhead",
+                 "demo_cpu"):
         return str(bench)
     labels = {r.get("label") for r in data.get("rows", []) if isinstance(r, dict)}
     if {"full", "all-streaming"} <= labels:
@@ -124,6 +130,16 @@ def _prefill(data: dict[str, Any]) -> dict[str, float | None]:
     }
 
 
+def _density(data: dict[str, Any]) -> dict[str, float | None]:
+    """The density benchmark's criteria at 128K (its configuration fastest at density 1)."""
+    out: dict[str, float | None] = {"density_half": None, "density_full": None}
+    for c in data.get("criteria", []):
+        if c.get("seq") == LONG and c.get("value") is not None:
+            key = "density_half" if c.get("figure", "").startswith("density 0.5") else "density_full"
+            out[key] = float(c["value"])
+    return out
+
+
 def _router(data: dict[str, Any]) -> dict[str, float | None]:
     rows = [r for r in data.get("rows", []) if r.get("router_per_layer_ms") is not None]
     if not rows:
@@ -140,6 +156,7 @@ def _demo(data: dict[str, Any]) -> dict[str, float | None]:
 READERS: dict[str, Callable[[dict[str, Any]], dict[str, float | None]]] = {
     "elasticfw.bench.attention": _attention,
     "elasticfw.bench.prefill": _prefill,
+    "elasticfw.bench.density": _density,
     "router_overhead": _router,
     "demo_cpu": _demo,
 }
@@ -154,7 +171,9 @@ SOURCES: dict[str, tuple[str, str]] = {
     **{f"{label} planning @128K / dense": ("elasticfw.bench.attention", f"plan:{mode}")
        for mode, (label, _) in PLANNING.items()},
     "router, all layers, per layer": ("router_overhead", "router"),
-    FIGURES[-1][0]: ("demo_cpu", "demo"),
+    FIGURES[-3][0]: ("demo_cpu", "demo"),
+    FIGURES[-2][0]: ("elasticfw.bench.density", "density_half"),
+    FIGURES[-1][0]: ("elasticfw.bench.density", "density_full"),
 }
 
 

@@ -23,13 +23,24 @@ module docstring) in two passes over the strided score matrix, never storing it:
   into ``(block/S) x (block/S)`` cells and written to ``mass`` (B, Hq, rows, NKB) float32. Each
   program owns whole query blocks x key blocks, so there are no atomics.
 
+* **One pass** (:func:`_single_pass_kernel`, the default, :data:`PASSES` = 1; one program per
+  ``BLOCK_M`` strided rows of a chunk): each score tile is computed once. With the running
+  maximum ``m_kt`` after key tile ``kt``, each row's ``exp(s - m_kt)`` summed per key block is
+  kept in a float32 scratch, with ``m_kt``; once the row's final maximum ``M`` and sum ``L`` are
+  known, the same program reads its sums back, scales them by ``exp(m_kt - M) / L``, sums them
+  over each query block's rows and writes ``mass``. It computes what the two passes compute with
+  half the matrix products, at the price of a scratch of ``4*B*Hq*(C/S)*NKB`` bytes per chunk of
+  ``C`` positions (268 MB at 128K with the default 16K chunks, Hq 32, block 64, stride 16).
+
 Rows and keys are indexed within a tile as (block, member) pairs padded to a power of two
 (``GROUP_PAD = next_pow2(block/S)``), so a tile always holds whole blocks and the cell sums are
 a reshape; when ``block/S`` is a power of two (the defaults: 64/16 = 4) nothing is padded.
-Pass 1 runs once for all layout rows (its statistics are 8 bytes per strided row and query
-head); pass 2 runs per chunk of ``chunk_size`` positions, which bounds the ``mass`` it returns.
-Beyond the inputs, memory is ``8*B*Hq*NQB*bs/S`` bytes of row statistics plus one chunk's mass
-``4*B*Hq*(C/bs)*NKB``; nothing is quadratic in ``S`` or in the sequence.
+With two passes, pass 1 runs once for all layout rows (its statistics are 8 bytes per strided
+row and query head) and pass 2 per chunk of ``chunk_size`` positions, which bounds the ``mass``
+it returns; the single pass runs per chunk.
+Beyond the inputs, memory is one chunk's mass ``4*B*Hq*(C/bs)*NKB`` plus ``8*B*Hq*NQB*bs/S``
+bytes of row statistics (two passes) or the chunk's scratch (one pass); nothing is quadratic in
+the sequence at a fixed chunk size.
 
 Tile sizes, warps and pipeline stages are the module constants below (chosen for Hopper; tune
 them there). :func:`unsupported` says when the kernels cannot run (no Triton on the device, a
@@ -65,6 +76,9 @@ NUM_WARPS = 8
 #: (bf16, d 128, stride 16: 32.1 ms for both passes, against 35.8 for 128 x 64 / 3 stages and
 #: 38-48 for the others; results/bench/issue10-s3/xa_tiles.log)
 NUM_STAGES = 2
+#: 1: :func:`_single_pass_kernel` (scores computed once, per-row block sums kept in a scratch of
+#: ``4 * B * Hq * (C/S) * NKB`` bytes per chunk of ``C`` positions); 2: the two-pass kernels
+PASSES = 1
 #: shared memory the operand pipeline may use per program: tiles shrink (and then stages) to fit
 SMEM_BUDGET = 160 * 1024
 #: the largest ``next_pow2(block_size / stride)`` (a tile holds at least one whole block)
@@ -287,6 +301,83 @@ def _mass_kernel(
     tl.store(ptrs, cells, mask=(ot < row1 - row0)[:, None] & (on < num_key_blocks)[None, :])
 
 
+@triton.jit
+def _single_pass_kernel(
+    q_ptr, k_ptr, q_start_ptr, kv_len_ptr, part_ptr, tmax_ptr, out_ptr,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_ob, stride_oh, stride_ot, stride_on,
+    q_len, row0, row1, num_key_blocks, num_key_tiles, num_q_heads, group_size, part_rows, qk_scale,
+    STRIDE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One pass over the scores of ``BLOCK_M`` strided rows (layout rows ``[row0, row1)``): the
+    online max and sum as in pass 1, and per key tile each row's ``exp`` sums per key block
+    relative to the running max then, kept in ``part`` with that max in ``tmax``; then, once the
+    row's final max and sum are known, the kept sums rescaled, summed over each query block's
+    rows and written to ``out``."""
+    ROW_BLOCKS: tl.constexpr = BLOCK_M // GROUP_PAD
+    KEY_BLOCKS: tl.constexpr = BLOCK_N // GROUP_PAD
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows first
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(q_start_ptr + b).to(tl.int32)
+    kv_len = tl.load(kv_len_ptr + b).to(tl.int32)
+    lo = q_start
+    hi = tl.minimum(q_start + q_len, kv_len)
+    first_block = q_start // (GROUP * STRIDE)
+
+    r = tl.arange(0, BLOCK_M)
+    t = row0 + tile * ROW_BLOCKS + r // GROUP_PAD
+    gi = r % GROUP_PAD
+    m_abs = (first_block + t) * GROUP + gi
+    row_ok = (gi < GROUP) & (t < row1)
+    real = row_ok & (m_abs * STRIDE < hi) & (m_abs * STRIDE + STRIDE > lo)
+    last = tl.max(tl.where(real, m_abs, -1), axis=0)
+    n_tiles = tl.where(last >= 0, tl.minimum(num_key_tiles, (last // GROUP) // KEY_BLOCKS + 1), 0)
+
+    q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + (h // group_size).to(tl.int64) * stride_kh
+    bh = (b * num_q_heads + h).to(tl.int64)
+    prow = bh * part_rows + tile * BLOCK_M + r  # this program's rows of the scratch
+    cols = tl.arange(0, KEY_BLOCKS)
+    part_stride = num_key_tiles * KEY_BLOCKS
+    row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    row_sum = tl.zeros((BLOCK_M,), tl.float32)
+    c = tl.arange(0, BLOCK_N)
+    for kt in range(0, n_tiles):
+        kb = kt * KEY_BLOCKS + c // GROUP_PAD
+        gj = c % GROUP_PAD
+        n_idx = kb * GROUP + gj
+        col_ok = (gj < GROUP) & (kb < num_key_blocks)
+        s = _antidiagonal_tile(
+            q_base, k_base, m_abs, row_ok, lo, hi, n_idx, col_ok, kv_len,
+            stride_qs, stride_qd, stride_ks, stride_kd, STRIDE,
+            STRIDE, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, IEEE, UPCAST,
+        )
+        s = tl.where(col_ok[None, :] & (n_idx[None, :] <= m_abs[:, None]), s * qk_scale, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(s, axis=1))  # finite: key 0 is causal for every row
+        e = tl.exp2(s - new_max[:, None])
+        row_sum = row_sum * tl.exp2(row_max - new_max) + tl.sum(e, axis=1)
+        row_max = new_max
+        sums = tl.sum(tl.reshape(e, (BLOCK_M, KEY_BLOCKS, GROUP_PAD)), axis=2)
+        tl.store(part_ptr + prow[:, None] * part_stride + kt * KEY_BLOCKS + cols[None, :], sums)
+        tl.store(tmax_ptr + prow * num_key_tiles + kt, new_max)
+    tl.debug_barrier()  # the second loop reads what other threads of this program stored
+    inv = tl.where(real, 1.0 / tl.where(real, row_sum, 1.0), 0.0)
+    ot = tile * ROW_BLOCKS + tl.arange(0, ROW_BLOCKS)
+    o_base = out_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + ot[:, None].to(tl.int64) * stride_ot
+    for kt in range(0, n_tiles):
+        sums = tl.load(part_ptr + prow[:, None] * part_stride + kt * KEY_BLOCKS + cols[None, :])
+        at = tl.load(tmax_ptr + prow * num_key_tiles + kt)
+        scaled = sums * (tl.exp2(at - row_max) * inv)[:, None]
+        cells = tl.sum(tl.reshape(scaled, (ROW_BLOCKS, GROUP_PAD, KEY_BLOCKS)), axis=1)
+        on = kt * KEY_BLOCKS + cols
+        tl.store(o_base + on[None, :] * stride_on, cells,
+                 mask=(ot < row1 - row0)[:, None] & (on < num_key_blocks)[None, :])
+
+
 # ---------------------------------------------------------------------------------------
 # Entry points
 # ---------------------------------------------------------------------------------------
@@ -303,15 +394,19 @@ def iter_antidiagonal_mass_triton(
     scale: float | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    passes: int | None = None,
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
     """:func:`elasticfw.attention.patterns.iter_antidiagonal_mass` on the Triton kernels.
 
     Yields ``(t0, t1, mass)`` for layout rows ``[t0, t1)``, mass (B, Hq, t1-t0, NKB) float32, the
     same values up to float32 rounding (summation order). ``q`` and ``k`` are read in place
     through their strides (no copy). ``block_m`` / ``block_n`` override the tile sizes (powers of
-    two); raises :class:`~elasticfw.errors.BackendUnavailableError` where :func:`unsupported`
-    gives a reason.
+    two); ``passes`` (1 or 2, default :data:`PASSES`) picks the kernels. Raises
+    :class:`~elasticfw.errors.BackendUnavailableError` where :func:`unsupported` gives a reason.
     """
+    passes = PASSES if passes is None else passes
+    if passes not in (1, 2):
+        raise ValueError(f"Triton antidiagonal estimate: passes must be 1 or 2, got {passes}")
     seq.check(q, k)
     bs, s = block_size, stride
     if s < 1 or bs % s:
@@ -333,8 +428,8 @@ def iter_antidiagonal_mass_triton(
     row_tiles = triton.cdiv(nqb, rows_per_tile)
     stat_stride = row_tiles * bm
     dev = q.device
-    row_max = torch.empty(batch * hq, stat_stride, dtype=torch.float32, device=dev)
-    row_sum = torch.empty(batch * hq, stat_stride, dtype=torch.float32, device=dev)
+    row_max = torch.empty(batch * hq, stat_stride if passes == 2 else 0, dtype=torch.float32, device=dev)
+    row_sum = torch.empty_like(row_max)
     q_start = seq.q_start.contiguous()
     kv_len = seq.kv_len.contiguous()
     base = scale if scale is not None else 1.0 / math.sqrt(dim)
@@ -344,12 +439,13 @@ def iter_antidiagonal_mass_triton(
         IEEE=q.dtype == torch.float32, UPCAST=interpreting() and q.dtype == torch.bfloat16,
         num_warps=NUM_WARPS, num_stages=stages,
     )
-    _stats_kernel[(row_tiles, hq, batch)](
-        q, k, q_start, kv_len, row_max, row_sum,
-        *q.stride(), *k.stride(),
-        q_len, nqb, nkb, hq, hq // hkv, stat_stride, qk_scale,
-        **common,
-    )
+    if passes == 2:
+        _stats_kernel[(row_tiles, hq, batch)](
+            q, k, q_start, kv_len, row_max, row_sum,
+            *q.stride(), *k.stride(),
+            q_len, nqb, nkb, hq, hq // hkv, stat_stride, qk_scale,
+            **common,
+        )
     first_max = int(seq.q_block_start(bs).max().item())  # one host read: the last causal key block
     rows_per_chunk = max(1, chunk_size // bs)
     for t0 in range(0, nqb, rows_per_chunk):
@@ -357,6 +453,19 @@ def iter_antidiagonal_mass_triton(
         mass = torch.zeros(batch, hq, t1 - t0, nkb, dtype=torch.float32, device=dev)
         kb_end = max(1, min(nkb, first_max + t1))  # key blocks past it are never causal here
         key_tiles = triton.cdiv(kb_end, keys_per_tile)
+        if passes == 1:
+            chunk_tiles = triton.cdiv(t1 - t0, rows_per_tile)
+            part_rows = chunk_tiles * bm
+            part = torch.empty(batch * hq, part_rows, key_tiles * keys_per_tile, dtype=torch.float32, device=dev)
+            tmax = torch.empty(batch * hq, part_rows, key_tiles, dtype=torch.float32, device=dev)
+            _single_pass_kernel[(chunk_tiles, hq, batch)](
+                q, k, q_start, kv_len, part, tmax, mass,
+                *q.stride(), *k.stride(), *mass.stride(),
+                q_len, t0, t1, nkb, key_tiles, hq, hq // hkv, part_rows, qk_scale,
+                **common,
+            )
+            yield t0, t1, mass
+            continue
         grid = (triton.cdiv(t1 - t0, rows_per_tile) * key_tiles, hq, batch)
         _mass_kernel[grid](
             q, k, q_start, kv_len, row_max, row_sum, mass,
@@ -378,13 +487,14 @@ def antidiagonal_mass_triton(
     scale: float | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    passes: int | None = None,
 ) -> torch.Tensor:
     """(B, Hq, NQB, NKB) float32: :func:`iter_antidiagonal_mass_triton` for every layout row."""
     parts = [
         m
         for _, _, m in iter_antidiagonal_mass_triton(
             q, k, seq, block_size=block_size, stride=stride, chunk_size=chunk_size, scale=scale,
-            block_m=block_m, block_n=block_n,
+            block_m=block_m, block_n=block_n, passes=passes,
         )
     ]
     if not parts:

@@ -17,6 +17,19 @@ and the diagonal forced). One program takes ``ROWS`` rows of one (sample, head):
   counted from one ``tl.cumsum``; the flags are stored back at the candidates' own indices
   (non-candidates store their forced flag).
 
+The default kernel (:func:`_select_bisect_kernel`) needs no sort. With ``above(u)`` = the
+forced mass plus the candidates whose float32 bit pattern exceeds ``u`` (non-increasing in ``u``,
+the row total at ``u = -1``), a bisection over ``u`` (31 steps, one masked row sum each) finds
+the least ``u*`` with ``above(u*) < threshold * total``. ``u*`` is the bit pattern of some
+candidate (``above`` only changes there), and in descending order:
+
+* every candidate above level ``u*`` is kept (the running sum after it is at most ``above(u*)``);
+* every candidate below it is not (its running sum is at least ``above(u* - 1)``);
+* the ``r``-th candidate of level ``u*`` by index is kept iff ``above(u*) + r * mass < threshold
+  * total``, the running sum the sort would give it.
+
+So the kept set is the sort's. The sort kernel stays for comparison (``method="sort"``).
+
 Equal to the torch selector up to float32 rounding of the row total and the running sums
 (summation order): only a block whose running sum lies within rounding of ``threshold * total``
 can be decided differently, as between the torch selector on a CPU and on a GPU. ``threshold >= 1``
@@ -38,6 +51,8 @@ __all__ = ["select_blocks_triton"]
 ELEMENTS_PER_PROGRAM = 2048
 MAX_ROWS = 32
 NUM_WARPS = 4
+#: bisection steps over the float32 bit patterns of non-negative masses (below 2**31)
+BISECT_STEPS = 31
 
 
 def _next_pow2(x: int) -> int:
@@ -126,6 +141,56 @@ def _select_kernel(
     tl.store(out_ptr + out_rows + index * stride_on, take, mask=t_ok[:, None] & is_candidate)
 
 
+@triton.jit
+def _select_bisect_kernel(
+    mass_ptr, row_block_ptr, out_ptr,
+    stride_mb, stride_mh, stride_mt, stride_mn,
+    stride_rb, stride_rt,
+    stride_ob, stride_oh, stride_ot, stride_on,
+    num_rows, width, threshold,
+    ROWS: tl.constexpr, N_PAD: tl.constexpr, STEPS: tl.constexpr,
+):
+    """The same selection without a sort: a bisection over the candidates' float32 bit patterns
+    finds the lowest mass level whose first candidate is kept (see the module docstring)."""
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    t = tile * ROWS + tl.arange(0, ROWS)
+    t_ok = t < num_rows
+    diag = tl.load(row_block_ptr + b.to(tl.int64) * stride_rb + t * stride_rt, mask=t_ok, other=0)
+    n = tl.arange(0, N_PAD)
+    inside = t_ok[:, None] & (n[None, :] < width)
+    rows = b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh + t[:, None].to(tl.int64) * stride_mt
+    x = tl.load(mass_ptr + rows + n[None, :] * stride_mn, mask=inside, other=0.0)
+    allowed = inside & (n[None, :] <= diag[:, None])
+    forced = allowed & ((n[None, :] == 0) | (n[None, :] == diag[:, None]))
+    x = tl.where(allowed, x, 0.0)
+    total = tl.sum(x, axis=1)
+    forced_mass = tl.sum(tl.where(forced, x, 0.0), axis=1)
+    candidate = allowed & ~forced
+    xc = tl.where(candidate, x, 0.0)
+    bits = tl.where(candidate & (x > 0), x.to(tl.int32, bitcast=True), 0)  # -0.0 counts as 0.0
+    target = threshold * total
+    # above(u) = forced + the candidates with bits > u: non-increasing in u, >= target at u = -1
+    # (it is the row total). Find the least u with above(u) < target, bisecting (lo, hi].
+    lo = tl.full((ROWS,), -1, tl.int32)
+    hi = tl.max(bits, axis=1)
+    for _ in range(STEPS):
+        mid = lo + (hi - lo) // 2
+        above = forced_mass + tl.sum(tl.where(bits > mid[:, None], xc, 0.0), axis=1)
+        go_low = above < target
+        hi = tl.where(go_low, mid, hi)
+        lo = tl.where(go_low, lo, mid)
+    level = hi
+    above_level = forced_mass + tl.sum(tl.where(bits > level[:, None], xc, 0.0), axis=1)
+    on_level = candidate & (bits == level[:, None])
+    rank = tl.cumsum(on_level.to(tl.int32), axis=1) - 1  # among the level's candidates, by index
+    level_take = on_level & (above_level[:, None] + rank.to(tl.float32) * xc < target[:, None])
+    take = (candidate & (bits > level[:, None]) | level_take) & (forced_mass < target)[:, None]
+    out_rows = b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + t[:, None].to(tl.int64) * stride_ot
+    tl.store(out_ptr + out_rows + n[None, :] * stride_on, forced | take, mask=inside)
+
+
 def select_blocks_triton(
     mass: torch.Tensor,
     row_block: torch.Tensor,
@@ -133,14 +198,18 @@ def select_blocks_triton(
     *,
     out: torch.Tensor | None = None,
     max_row_block: int | None = None,
+    method: str = "bisect",
 ) -> torch.Tensor:
     """``select_blocks(mass, row_block, threshold)`` on a Triton kernel: bool (B, H, T, NKB).
 
     ``mass`` (B, H, T, NKB) float32 and ``row_block`` (B, T) int64 (absolute position block of
     each row) may have any strides. ``out`` (bool, the shape of ``mass``, e.g. a slice of a
     layout) receives the result and is returned. ``max_row_block``, when the caller knows it
-    (``>= row_block.max()``), lets the kernel skip the key blocks no row reaches.
+    (``>= row_block.max()``), lets the kernel skip the key blocks no row reaches. ``method``:
+    ``bisect`` (default) or ``sort`` (the bitonic kernel), the same selection.
     """
+    if method not in ("bisect", "sort"):
+        raise ValueError(f"select_blocks_triton: method must be 'bisect' or 'sort', got {method!r}")
     if mass.dim() != 4 or row_block.shape != (mass.shape[0], mass.shape[2]):
         raise ValueError(
             f"select_blocks_triton: mass must be (B, H, T, NKB) and row_block (B, T), got "
@@ -173,10 +242,11 @@ def select_blocks_triton(
     n_pad = max(16, _next_pow2(width))
     rows_per_program = max(1, min(MAX_ROWS, ELEMENTS_PER_PROGRAM // n_pad))
     grid = (triton.cdiv(rows, rows_per_program), heads, batch)
-    _select_kernel[grid](
-        mass, row_block, out,
-        *mass.stride(), *row_block.stride(), *out.stride(),
-        rows, width, float(threshold),
-        ROWS=rows_per_program, N_PAD=n_pad, LOG_N=n_pad.bit_length() - 1, num_warps=NUM_WARPS,
-    )
+    args = (mass, row_block, out, *mass.stride(), *row_block.stride(), *out.stride(), rows, width, float(threshold))
+    if method == "sort":
+        _select_kernel[grid](*args, ROWS=rows_per_program, N_PAD=n_pad, LOG_N=n_pad.bit_length() - 1,
+                             num_warps=NUM_WARPS)
+    else:
+        _select_bisect_kernel[grid](*args, ROWS=rows_per_program, N_PAD=n_pad, STEPS=BISECT_STEPS,
+                                    num_warps=NUM_WARPS)
     return out

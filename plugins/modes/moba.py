@@ -33,6 +33,13 @@ Query granularity:
 
 ``block_size`` is the layout tile the executor runs (as for every mode); ``moba_block_size``
 must be a multiple of it, so one MoBA block is ``moba_block_size / block_size`` layout blocks.
+
+Planner (granularity ``token``; ``planner``: ``auto`` on CUDA, or ``triton``): the fused kernel
+of :mod:`elasticfw.kernels.moba_select` gates, selects and pools each layout tile's rows in one
+program (no float32 gate tensor, no sorts), giving the same selection as the torch path up to
+float32 summation order of the gates (only a near-tie can be decided differently). Padding rows
+select nothing on either path. Granularity ``block`` always plans in torch (one selection per
+tile: already cheap).
 """
 
 from __future__ import annotations
@@ -44,9 +51,15 @@ from pydantic import Field, model_validator
 
 from elasticfw.attention.layout import BlockLayout
 from elasticfw.attention.mode import AttentionMode, ModeConfig
-from elasticfw.attention.pattern_layouts import key_blocks_to_layout, row_selection_layout
+from elasticfw.attention.pattern_layouts import (
+    key_blocks_to_layout,
+    row_selection_layout,
+    row_selection_layout_from_tiles,
+)
 from elasticfw.attention.patterns import gate_scores, mean_pool_keys, pool_tiles, query_grid, topk_select
 from elasticfw.attention.seq import SeqInfo
+from elasticfw.errors import BackendUnavailableError
+from elasticfw.kernels import triton_unavailable
 
 #: query rows gated at once (bounds the float32 gate scores at B x Hq x chunk x n_moba_blocks)
 GATE_CHUNK = 4096
@@ -72,6 +85,13 @@ class MobaConfig(ModeConfig):
         description="`token`: one selection per query token (upstream MoBA); `block`: one selection per "
         "layout tile, gated by the mean of the tile's queries.",
     )
+    planner: Literal["auto", "torch", "triton"] = Field(
+        "auto",
+        description="Planning backend of granularity `token`: `auto` runs the fused Triton kernel on CUDA when "
+        "it can run there and the PyTorch reference elsewhere; `torch` always the reference; `triton` always "
+        "the kernel (an error where it cannot run). Same selection up to float32 rounding of the gates. "
+        "Granularity `block` always plans in PyTorch (already cheap).",
+    )
 
     @model_validator(mode="after")
     def _block_multiple(self) -> MobaConfig:
@@ -90,6 +110,31 @@ class MobaAttention(AttentionMode):
     config_class = MobaConfig
     config: MobaConfig
 
+    def planning_backend(self, q: torch.Tensor, num_blocks: int) -> Literal["torch", "triton"]:
+        """The backend the token-granular planner uses for ``q`` among ``num_blocks`` MoBA blocks
+        (``planner`` resolved on its device): ``auto`` picks the Triton kernel on CUDA when it can
+        run, torch elsewhere (never the interpreter on a CPU); a pinned ``triton`` that cannot run
+        raises :class:`~elasticfw.errors.BackendUnavailableError`."""
+        choice = self.config.planner
+        if choice == "torch":
+            return "torch"
+        reason = triton_unavailable(q.device)
+        if reason is None:
+            try:
+                from elasticfw.kernels.moba_select import unsupported
+            except ImportError as exc:  # an installed but broken triton
+                reason = f"the Triton kernel failed to import ({exc})"
+            else:
+                reason = unsupported(q, num_blocks=num_blocks)
+        if choice == "auto":
+            return "triton" if reason is None and q.device.type == "cuda" else "torch"
+        if reason is not None:
+            raise BackendUnavailableError(
+                f"moba: planner = 'triton' (elastic.sparse_mode.planner, or retrieval_mode.planner when MoBA is "
+                f"the retrieval mode) cannot run here: {reason} (set moba.planner to 'auto' or 'torch')"
+            )
+        return "triton"
+
     def build_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> BlockLayout:
         seq.check(q, k)
         means = key_block_means(k, seq, self.config.moba_block_size)
@@ -103,12 +148,23 @@ class MobaAttention(AttentionMode):
         moba = cfg.moba_block_size
         batch, hq, sq, _ = q.shape
         nmb = means.shape[2]
+        if self.planning_backend(q, nmb) == "triton":
+            from elasticfw.kernels.moba_select import moba_token_selection_triton
+
+            selected, union, common = moba_token_selection_triton(
+                q, means, seq, moba_block_size=moba, top_k=cfg.top_k, block_size=cfg.block_size
+            )
+            return row_selection_layout_from_tiles(
+                selected, union, common, seq, cfg.block_size, key_block_size=moba
+            )
         current = torch.div(seq.query_positions(), moba, rounding_mode="floor").clamp(0, nmb - 1)  # (B, Sq)
+        real = seq.query_valid()  # (B, Sq): padding rows select nothing
         selected = torch.zeros(batch, hq, sq, nmb, dtype=torch.bool, device=q.device)
         for start in range(0, sq, GATE_CHUNK):
             rows = slice(start, min(sq, start + GATE_CHUNK))
             cur = current[:, None, rows].expand(batch, hq, -1)
-            selected[:, :, rows] = select_blocks(gate_scores(q[:, :, rows], means), cur, cfg.top_k)
+            chosen = select_blocks(gate_scores(q[:, :, rows], means), cur, cfg.top_k)
+            selected[:, :, rows] = chosen & real[:, None, rows, None]
         return row_selection_layout(selected, seq, cfg.block_size, key_block_size=moba)
 
     # -- granularity "block" ------------------------------------------------------------------

@@ -59,7 +59,12 @@ The backbone is frozen, so nothing here is learned. Precisely:
   trainable parameters).
 
 Cost, by ``query_granularity``. Scoring is the same for both: ``score_chunk`` query rows at a time
-(``chunk x S/stride`` scores per head), nothing ``S x S``. ``block`` keeps one selection per tile:
+(``chunk x S/stride`` scores per head), nothing ``S x S``; for ``block``, ``scorer`` (``auto`` on
+CUDA, or ``triton``) instead runs the fused two-pass kernels of
+:mod:`elasticfw.kernels.nsa_importance` (softmax statistics per row, then the probabilities summed
+per tile and mapped onto key blocks, no score matrix stored; same importances up to float32
+rounding; the torch path took 551 ms at 128K on one H200, 2.18x a dense cuDNN layer; the kernels
+are not timed yet). ``token`` always scores in PyTorch. ``block`` keeps one selection per tile:
 an ``O((S/bs)^2)`` layout per KV head, token-masked only at the window's edges, so block kernels
 run whole tiles. ``token`` ranks the key blocks once per query row instead of once per tile
 (``bs`` times the sorting) and keeps an ``O(S^2 / bs)`` bool table per KV head and sample (16M
@@ -87,6 +92,8 @@ from elasticfw.attention.mode import AttentionMode, AttentionOutput, ModeConfig
 from elasticfw.attention.pattern_layouts import tile_union
 from elasticfw.attention.patterns import topk_select
 from elasticfw.attention.seq import SeqInfo
+from elasticfw.errors import BackendUnavailableError
+from elasticfw.kernels import triton_unavailable
 
 
 class NSAConfig(ModeConfig):
@@ -135,6 +142,13 @@ class NSAConfig(ModeConfig):
         512,
         ge=1,
         description="Query rows scored at once (bounds memory at chunk x S/stride scores per head).",
+    )
+    scorer: Literal["auto", "torch", "triton"] = Field(
+        "auto",
+        description="Importance backend of `query_granularity: block`: `auto` runs the fused Triton kernels on "
+        "CUDA when they can run there (and autograd is not recording through q or k) and the PyTorch reference "
+        "elsewhere; `torch` always the reference; `triton` always the kernels (an error where they cannot "
+        "run). Same importances up to float32 rounding. `token` granularity always scores in PyTorch.",
     )
 
     @model_validator(mode="after")
@@ -254,12 +268,52 @@ class NSAAttention(AttentionMode):
                 cover = cover + padded[..., per_kernel - 1 - a : per_kernel - 1 - a + chunks]
             yield rows, cover.reshape(batch, hkv, nrows, nkb, bs // stride).sum(-1)  # (B, Hkv, R, NKB)
 
+    def scoring_backend(self, q: torch.Tensor, k: torch.Tensor) -> Literal["torch", "triton"]:
+        """The backend :meth:`block_importance` uses for ``q`` / ``k`` (``scorer`` resolved on their
+        device): ``auto`` picks the Triton kernels on CUDA when they can run and autograd is not
+        recording through ``q`` or ``k``, torch elsewhere; a pinned ``triton`` that cannot run raises
+        :class:`~elasticfw.errors.BackendUnavailableError`."""
+        cfg = self.config
+        choice = cfg.scorer
+        if choice == "torch":
+            return "torch"
+        reason = triton_unavailable(q.device)
+        if reason is None:
+            try:
+                from elasticfw.kernels.nsa_importance import unsupported
+            except ImportError as exc:  # an installed but broken triton
+                reason = f"the Triton kernels failed to import ({exc})"
+            else:
+                reason = unsupported(
+                    q, block_size=cfg.block_size, kernel=cfg.compress_kernel, stride=cfg.compress_stride
+                )
+        if choice == "auto":
+            recording = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+            return "triton" if reason is None and q.device.type == "cuda" and not recording else "torch"
+        if reason is not None:
+            raise BackendUnavailableError(
+                f"nsa.scorer = 'triton' (elastic.sparse_mode.scorer, or retrieval_mode.scorer when NSA is the "
+                f"retrieval mode) cannot run here: {reason} (set scorer to 'auto' or 'torch')"
+            )
+        return "triton"
+
     def block_importance(
         self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, scale: float | None = None
     ) -> torch.Tensor:
         """(B, Hkv, NQB, NKB) float32: compressed-attention importance of every key block for every
-        layout tile, summed over the group's query heads and the tile's real rows."""
-        bs = self.config.block_size
+        layout tile, summed over the group's query heads and the tile's real rows. On the backend
+        :meth:`scoring_backend` picks: the torch reference below (chunks of :meth:`row_importance`
+        scattered into their tiles), or :func:`elasticfw.kernels.nsa_importance.nsa_block_importance_triton`
+        (no gradient flows through it)."""
+        cfg = self.config
+        if self.scoring_backend(q, k) == "triton":
+            from elasticfw.kernels.nsa_importance import nsa_block_importance_triton
+
+            return nsa_block_importance_triton(
+                q, k, seq, block_size=cfg.block_size, kernel=cfg.compress_kernel, stride=cfg.compress_stride,
+                scale=scale,
+            )
+        bs = cfg.block_size
         batch, hkv = q.shape[0], k.shape[1]
         nqb, nkb = seq.num_query_blocks(bs), seq.num_key_blocks(bs)
         importance = torch.zeros(batch, hkv, nqb, nkb, dtype=torch.float32, device=q.device)

@@ -59,16 +59,16 @@ cost less. The result does not depend on ``chunk_size``.
 **Triton path** (``estimator``: ``auto`` on CUDA, or ``triton``): the fused estimator of
 :mod:`elasticfw.kernels.xattention_estimate` reads ``q`` and ``k`` in place and in their dtype
 (bfloat16 and float16 products are exact in float32 accumulation; float32 inputs are multiplied
-in IEEE float32), in two passes over the strided scores (softmax statistics per strided row,
-then the probabilities summed per block) without storing them, and
-:mod:`elasticfw.kernels.xattention_select` selects with a sort and a cumulative sum per row in
-one Triton program. Beyond the inputs it holds::
+in IEEE float32), in one pass over the strided scores (each row's block sums kept relative to
+its running softmax maximum, rescaled once the row is done; no score tile is stored), and
+:mod:`elasticfw.kernels.xattention_select` selects with a bisection over the masses' float32 bit
+patterns per row (no sort) in one Triton program. Beyond the inputs it holds::
 
-    8*B*Hq*NQB*bs/S                    per strided row: softmax max and sum (float32)
+    4*B*Hq*(C/S)*NKB                   the chunk's per-row block sums (float32 scratch)
   + 4*B*Hq*(C/bs)*NKB                  the chunk's mass
   + B*H*NQB*NKB                        the bool layout
 
-(128K with the sizes above: 2 MiB + 64 MiB + 128 MiB). Its masses equal the torch path's up to
+(128K with the sizes above: 256 MiB + 64 MiB + 128 MiB). Its masses equal the torch path's up to
 float32 summation order; a block whose cumulative mass lies within rounding of the threshold
 can therefore be decided differently (as between the torch path on a CPU and on a GPU).
 """

@@ -1,0 +1,54 @@
+"""The block-density benchmark: its random layouts, and a CPU smoke run (the real run is on a GPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from elasticfw.attention.seq import SeqInfo
+from elasticfw.bench import density
+
+
+@pytest.mark.parametrize("share", [1.0, 0.5, 0.3, 0.01])
+def test_random_layout_keeps_the_asked_share_of_each_rows_causal_blocks(share):
+    seq = SeqInfo.dense(1, 700, 700)  # 11 blocks of 64, the last one partial
+    layout = density.random_block_layout(seq, 3, 64, share, seed=1)
+    blocks = layout.blocks[0]  # (H, NQB, NKB)
+    assert blocks.shape == (3, 11, 11) and layout.token_mask is None and not layout.dense_causal
+    for t in range(11):
+        row = blocks[:, t]
+        assert not row[:, t + 1 :].any()  # never a future block
+        assert row[:, t].all()  # the diagonal always
+        assert (row.sum(-1) == max(1, round(share * (t + 1)))).all()
+    if 0.1 < share < 1:  # drawn per head: the heads differ somewhere
+        assert not torch.equal(blocks[0], blocks[1]) or not torch.equal(blocks[1], blocks[2])
+    with pytest.raises(ValueError, match="density"):
+        density.random_block_layout(seq, 1, 64, 0.0)
+
+
+def test_density_bench_runs_on_cpu_and_reads_its_criteria(tmp_path):
+    out = tmp_path / "d.json"
+    args = ["--device", "cpu", "--seq", "256", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "16",
+            "--dtype", "fp32", "--block-size", "32", "--densities", "1", "0.5", "--tiles", "32,32,4,1", "--out", str(out)]
+    assert density.main(args) == 0
+    data = json.loads(out.read_text())
+    rows = {r["name"]: r for r in data["results"]}
+    assert set(rows) == {"sdpa_math", "flex@1", "flex@0.5", "flex[32,32,4,1]@1", "flex[32,32,4,1]@0.5"}
+    for label in ("flex", "flex[32,32,4,1]"):
+        full, half = rows[f"{label}@1"], rows[f"{label}@0.5"]
+        assert full["realised_density"] == 1.0 and 0.45 < half["realised_density"] < 0.6
+        assert half["ratio_vs_full"] == pytest.approx(half["ms"] / full["ms"])
+        assert full["ratio_vs_cudnn"] == pytest.approx(full["ms"] / rows["sdpa_math"]["ms"])
+    best = min(("flex", "flex[32,32,4,1]"), key=lambda c: rows[f"{c}@1"]["ms"])
+    expected = [rows[f"{best}@0.5"]["ms"] / rows[f"{best}@1"]["ms"], rows[f"{best}@1"]["ms"] / rows["sdpa_math"]["ms"]]
+    assert [c["config"] for c in data["criteria"]] == [best, best]
+    assert [c["value"] for c in data["criteria"]] == pytest.approx(expected)
+    assert [c["met"] for c in data["criteria"]] == [v <= lim for v, lim in zip(expected, (0.6, 1.25))]
+    assert density.main(args) == 2  # not replaced without --overwrite
+
+
+def test_density_one_is_required():
+    with pytest.raises(SystemExit):
+        density.parse_args(["--out", "x", "--densities", "0.5"])

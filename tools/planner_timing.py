@@ -1,0 +1,130 @@
+"""Time the NSA and MoBA planners (``build_layout``) with their torch and Triton backends against
+one dense causal cuDNN SDPA layer at the same shape, on a CUDA device.
+
+    python tools/planner_timing.py                       # 128K, B=1, Hq 32, Hkv 8, d 128, bf16
+    python tools/planner_timing.py --tokens 32768 --skip-torch --nsa-tiles 256,64 128,64 256,128
+
+Inputs are the attention benchmark's structured q/k (``elasticfw.bench.inputs.structured_qkv``).
+Prints the median of ``--repeats`` CUDA-event-timed calls (after a warm-up call, which compiles
+the kernels) and the ratio to the dense layer for: NSA (paper defaults, ``query_granularity:
+block``) with ``scorer`` torch and triton, the Triton importance alone with ``split`` 1, 2 and 3
+(16-bit terms of the compressed keys) and with ``--nsa-tiles`` overrides; MoBA (paper defaults,
+``query_granularity: token``) with ``planner`` torch and triton. Then how far the backends'
+results are apart: NSA importances (max relative difference) and layouts (blocks that differ),
+MoBA layouts. ``--json FILE`` also writes the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from elasticfw.attention.seq import SeqInfo
+from elasticfw.bench.inputs import structured_qkv
+from elasticfw.provenance import environment
+from elasticfw.testing.modes import make_mode
+
+
+def timed(fn: Callable[[], object], repeats: int) -> float:
+    """Median milliseconds of ``fn`` over ``repeats`` calls after one warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=131072)
+    p.add_argument("--query-heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--skip-torch", action="store_true", help="skip the (slow) torch backends")
+    p.add_argument("--nsa-tiles", nargs="*", default=[], metavar="BM,BN", help="NSA importance tile overrides")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    n, hq, hkv, d = args.tokens, args.query_heads, args.kv_heads, args.head_dim
+    q, k, v = (t.to("cuda", torch.bfloat16) for t in structured_qkv(1, hq, hkv, n, d, seed=0))
+    seq = SeqInfo.dense(1, n, n, device="cuda")
+    results: dict[str, float] = {}
+    notes: dict[str, float | int] = {}
+    kr, vr = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+
+    def dense() -> torch.Tensor:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=True)
+
+    with torch.no_grad():
+        results["dense cuDNN SDPA layer"] = timed(dense, args.repeats)
+        nsa = {b: make_mode("nsa", {"scorer": b}) for b in ("torch", "triton")}
+        if not args.skip_torch:
+            results["nsa build_layout, scorer torch"] = timed(lambda: nsa["torch"].build_layout(q, k, seq), args.repeats)
+        results["nsa build_layout, scorer triton"] = timed(lambda: nsa["triton"].build_layout(q, k, seq), args.repeats)
+        from elasticfw.kernels.nsa_importance import nsa_block_importance_triton
+
+        cfg = nsa["triton"].config
+        geo = dict(block_size=cfg.block_size, kernel=cfg.compress_kernel, stride=cfg.compress_stride)
+        imp = {}
+        for split in (1, 2, 3):
+            results[f"  nsa importance only, split {split}"] = timed(
+                lambda split=split: nsa_block_importance_triton(q, k, seq, split=split, **geo), args.repeats)
+            imp[split] = nsa_block_importance_triton(q, k, seq, split=split, **geo)
+        for spec in args.nsa_tiles:
+            bm, bn = (int(x) for x in spec.split(","))
+            try:
+                results[f"  nsa importance only, tiles {spec}"] = timed(
+                    lambda bm=bm, bn=bn: nsa_block_importance_triton(q, k, seq, block_m=bm, block_n=bn, **geo),
+                    args.repeats)
+            except Exception as exc:  # noqa: BLE001 - a tile configuration that does not compile is reported
+                print(f"nsa tiles {spec}: {type(exc).__name__}: {str(exc)[:200]}")
+        if not args.skip_torch:
+            ref = nsa["torch"].block_importance(q, k, seq)
+            for split in (1, 2, 3):
+                notes[f"nsa importance split {split}: max |diff| / max"] = float(
+                    ((imp[split] - ref).abs().max() / ref.abs().max()).item())
+            a, b = nsa["torch"].build_layout(q, k, seq).blocks, nsa["triton"].build_layout(q, k, seq).blocks
+            notes["nsa layout blocks differing (triton vs torch)"] = int((a != b).sum().item())
+            notes["nsa layout blocks kept (torch)"] = int(a.sum().item())
+        del imp
+
+        moba = {b: make_mode("moba", {"planner": b}) for b in ("torch", "triton")}
+        if not args.skip_torch:
+            results["moba build_layout, planner torch"] = timed(lambda: moba["torch"].build_layout(q, k, seq),
+                                                                args.repeats)
+        results["moba build_layout, planner triton"] = timed(lambda: moba["triton"].build_layout(q, k, seq),
+                                                             args.repeats)
+        if not args.skip_torch:
+            a, b = moba["torch"].build_layout(q, k, seq), moba["triton"].build_layout(q, k, seq)
+            notes["moba layout blocks differing (triton vs torch)"] = int((a.blocks != b.blocks).sum().item())
+            notes["moba layout blocks kept (torch)"] = int(a.blocks.sum().item())
+    base = results["dense cuDNN SDPA layer"]
+    print(f"{torch.cuda.get_device_name()}: B=1, {n} tokens, Hq={hq}, Hkv={hkv}, d={d}, bf16, structured inputs")
+    for name, ms in results.items():
+        print(f"{name:48s} {ms:9.2f} ms  {ms / base:6.3f}x dense")
+    for name, value in notes.items():
+        print(f"{name}: {value:.3g}" if isinstance(value, float) else f"{name}: {value}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        report = {"benchmark": "planner_timing", "environment": environment(q.device), "tokens": n,
+                  "ms": results, "ratio_vs_dense": {k_: ms / base for k_, ms in results.items()}, "notes": notes}
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
