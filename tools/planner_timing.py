@@ -56,6 +56,7 @@ def main() -> None:
     p.add_argument("--skip-torch", action="store_true", help="skip the (slow) torch backends")
     p.add_argument("--nsa-tiles", nargs="*", default=[], metavar="BM,BN", help="NSA importance tile overrides")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--profile", action="store_true", help="also print a torch.profiler table of each Triton planner")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
@@ -113,6 +114,18 @@ def main() -> None:
             a, b = moba["torch"].build_layout(q, k, seq), moba["triton"].build_layout(q, k, seq)
             notes["moba layout blocks differing (triton vs torch)"] = int((a.blocks != b.blocks).sum().item())
             notes["moba layout blocks kept (torch)"] = int(a.blocks.sum().item())
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            for label, fn in (("nsa triton", lambda: nsa["triton"].build_layout(q, k, seq)),
+                              ("moba triton", lambda: moba["triton"].build_layout(q, k, seq))):
+                fn()
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                    fn()
+                    torch.cuda.synchronize()
+                print(f"-- profile: {label} build_layout")
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
     base = results["dense cuDNN SDPA layer"]
     print(f"{torch.cuda.get_device_name()}: B=1, {n} tokens, Hq={hq}, Hkv={hkv}, d={d}, bf16, structured inputs")
     for name, ms in results.items():

@@ -15,12 +15,16 @@ tie rules, is that module's docstring), in one pass over the queries:
   blocks) and tiny tiles take several tiles per program. A row is *real* when it is one of the
   call's query rows and its position is below ``kv_len``; the call's other rows (padding rows)
   select nothing, and slots outside the call are not written.
-* **Gates.** ``q . mean(K_n)`` in float32: the query rows (read in place through their strides,
-  any of float16 / bfloat16 / float32, upcast to float32, which is exact, and also what keeps
-  Triton's interpreter from multiplying bfloat16 bit patterns) times the KV head's pooled means
-  (B, Hkv, NMB, D) float32 (:func:`~elasticfw.attention.patterns.mean_pool_keys`, computed by the
-  caller), ``tl.dot`` in IEEE float32 (``input_precision="ieee"``, no TF32) over head-dim chunks
-  of ``BLOCK_D``. Equal to ``gate_scores`` up to float32 summation order. Only the means of
+* **Gates.** ``q . mean(K_n)`` in float32: the query rows (read in place through their strides)
+  times the KV head's pooled means (B, Hkv, NMB, D) float32
+  (:func:`~elasticfw.attention.patterns.mean_pool_keys`, computed by the caller) over head-dim
+  chunks of ``BLOCK_D``. For float16 / bfloat16 queries each float32 mean is split into three
+  terms of the query's dtype (``m ~ hi + mid + lo``, each the rounded remainder of the last; 24
+  bits of mantissa in all for bfloat16), and the gate is three tensor-core products, each
+  exact in float32 and accumulated in float32; float32 queries take one ``tl.dot`` in IEEE
+  float32 (``input_precision="ieee"``, no TF32), which runs on CUDA cores and is several times
+  slower. Equal to ``gate_scores`` up to float32 rounding (summation order, and the split's
+  last bits). Only the means of
   candidate blocks are read (``n`` below the largest current block of the rows).
 * **Selection.** ``current = min(position // moba_block_size, NMB - 1)`` is forced; candidates
   are ``n < current``. ``min(top_k - 1, max current)`` rounds each add, per row, the remaining
@@ -55,7 +59,7 @@ import triton.language as tl
 
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
-from elasticfw.kernels import triton_unavailable
+from elasticfw.kernels import interpreting, triton_unavailable
 
 __all__ = ["moba_token_selection_triton", "unsupported"]
 
@@ -97,6 +101,7 @@ def _moba_select_kernel(
     stride_ub, stride_uh, stride_ut, stride_un,
     q_len, tile0, tile1, num_blocks, group_size, top_k, block_size, moba_block_size,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, N_PAD: tl.constexpr, TILES: tl.constexpr, SUB: tl.constexpr,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Layout tiles ``[tile0 + p*TILES, ...)`` (``p`` the program), below ``tile1``, of one
     (sample, query head): ``SUB`` rows of each of the ``TILES`` tiles at a time."""
@@ -138,13 +143,28 @@ def _moba_select_kernel(
                 d_ok = dd < HEAD_DIM
                 qv = tl.load(
                     q_base + q_rows[:, None] + dd[None, :] * stride_qd, mask=real[:, None] & d_ok[None, :], other=0.0
-                ).to(tl.float32)
+                )
                 mv = tl.load(
                     m_base + n[:, None].to(tl.int64) * stride_mn + dd[None, :] * stride_md,
                     mask=(n < top_cur)[:, None] & d_ok[None, :],
                     other=0.0,
                 )
-                gates = tl.dot(qv, tl.trans(mv), gates, input_precision="ieee")
+                if SPLIT:  # 16-bit q: the float32 means as three 16-bit terms, each product exact in float32
+                    hi = mv.to(qv.dtype)
+                    rest = mv - hi.to(tl.float32)
+                    mid = rest.to(qv.dtype)
+                    lo = (rest - mid.to(tl.float32)).to(qv.dtype)
+                    if UPCAST:  # the interpreter multiplies 16-bit bit patterns as integers: upcast (exact)
+                        qf = qv.to(tl.float32)
+                        gates = tl.dot(qf, tl.trans(hi.to(tl.float32)), gates, input_precision="ieee")
+                        gates = tl.dot(qf, tl.trans(mid.to(tl.float32)), gates, input_precision="ieee")
+                        gates = tl.dot(qf, tl.trans(lo.to(tl.float32)), gates, input_precision="ieee")
+                    else:
+                        gates = tl.dot(qv, tl.trans(hi), gates)
+                        gates = tl.dot(qv, tl.trans(mid), gates)
+                        gates = tl.dot(qv, tl.trans(lo), gates)
+                else:
+                    gates = tl.dot(qv.to(tl.float32), tl.trans(mv), gates, input_precision="ieee")
             candidate = real[:, None] & (n[None, :] < current[:, None])
             for _ in range(0, rounds):
                 value = tl.where(candidate, gates, float("-inf"))
@@ -244,7 +264,8 @@ def moba_token_selection_triton(
             q, means, q_start, kv_len, selected, union, common,
             *q.stride(), *means.stride(), *selected.stride(), *union.stride(),
             q_len, t0, t1, nmb, hq // hkv, top_k, block_size, moba_block_size,
-            HEAD_DIM=dim, BLOCK_D=block_d, N_PAD=n_pad, TILES=tiles, SUB=sub, num_warps=NUM_WARPS,
+            HEAD_DIM=dim, BLOCK_D=block_d, N_PAD=n_pad, TILES=tiles, SUB=sub,
+            SPLIT=q.dtype != torch.float32, UPCAST=interpreting() and q.dtype != torch.float32, num_warps=NUM_WARPS,
         )
         t0 = t1
     return selected, union, common
