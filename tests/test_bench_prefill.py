@@ -68,12 +68,13 @@ def test_prefill_bench_times_the_papers_three_hybrids(tmp_path):
     head (below FA-SSA's streaming head at 256 tokens), and XA-SSA skips FA-SSA's pairs plus
     XAttention's on the other head."""
     out = tmp_path / "p.json"
-    rc = prefill.main(["--device", "cpu", "--dtype", "fp32", "--model", "tiny-llama", "--seq", "256", "--layers", "1",
+    rc = prefill.main(["--device", "cpu", "--dtype", "fp32", "--model", "tiny-llama", "--seq", "256", "200", "--layers", "1",
                        "--executors", "split", "--msr", "0.5", "--configs", "fa-ssa", "fa-xa", "xa-ssa",
                        "--sink", "16", "--local", "32", "--block-size", "16", "--reps", "1", "--out", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
-    rows = {r["variant"]: r for r in data["results"]}
+    assert all(r["error"] is None for r in data["results"]) and len(data["results"]) == 10  # both lengths
+    rows = {r["variant"]: r for r in data["results"] if r["seq"] == 256}
     assert set(rows) == {"dense:sdpa", "elastic:split:msr=0", "elastic:split:fa-ssa:msr=0.5",
                          "elastic:split:fa-xa:msr=0.5", "elastic:split:xa-ssa:msr=0.5"}
     assert data["configs"]["xa-ssa"]["retrieval_mode"]["name"] == "xattention"

@@ -280,16 +280,16 @@ def bench_model(shape: str, args: argparse.Namespace, device: torch.device, repo
                 lambda row: dense_body(row, cudnn_first))
 
         for executor in args.executors:
-            variants = [("fa-ssa", 0.0)] + [(config, msr) for config in args.configs for msr in args.msr]
-            for i, (config, msr) in enumerate(variants):
+            variants = [("fa-ssa", 0.0)] + [(hybrid, msr) for hybrid in args.configs for msr in args.msr]
+            for i, (hybrid, msr) in enumerate(variants):
                 router, realised = fixed_router(msr, layers, kv_heads)
                 if realised == 0 and i > 0:
                     continue  # a hybrid that rounds to no sparse head is the MSR-0 row (all heads full)
-                name = f"elastic:{executor}:msr=0" if realised == 0 else f"elastic:{executor}:{config}:msr={realised:g}"
+                name = f"elastic:{executor}:msr=0" if realised == 0 else f"elastic:{executor}:{hybrid}:msr={realised:g}"
 
                 def elastic_body(row: dict[str, Any], executor: str = executor, router: dict = router,
-                                 realised: float = realised, config: str = config) -> None:
-                    elastic = ElasticModel(model, elastic_section(args, executor, router, config))
+                                 realised: float = realised, hybrid: str = hybrid) -> None:
+                    elastic = ElasticModel(model, elastic_section(args, executor, router, hybrid))
                     try:
                         elastic.runtime.collect_stats = True
                         start = time.perf_counter()
@@ -306,7 +306,7 @@ def bench_model(shape: str, args: argparse.Namespace, device: torch.device, repo
                     if abs(row["msr"] - realised) > 1e-6:
                         raise AssertionError(f"routing gave MSR {row['msr']} instead of {realised}")
 
-                run({"variant": name, "kind": "elastic", "executor": executor, "config": None if realised == 0 else config,
+                run({"variant": name, "kind": "elastic", "executor": executor, "config": None if realised == 0 else hybrid,
                      "target_msr": msr}, elastic_body)
         if device.type == "cuda":
             torch.cuda.empty_cache()
