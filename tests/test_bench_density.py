@@ -46,6 +46,7 @@ def test_density_bench_runs_on_cpu_and_reads_its_criteria(tmp_path):
     assert [c["config"] for c in data["criteria"]] == [best, best]
     assert [c["value"] for c in data["criteria"]] == pytest.approx(expected)
     assert [c["met"] for c in data["criteria"]] == [v <= lim for v, lim in zip(expected, (0.6, 1.25))]
+    assert (tmp_path / "d.png").stat().st_size > 0
     assert density.main(args) == 2  # not replaced without --overwrite
 
 

@@ -21,7 +21,7 @@ Each row holds the median time (``triton.testing.do_bench`` on CUDA), ``ratio_vs
 time at density 1 of the same configuration), ``ratio_vs_cudnn``, and the computed blocks'
 throughput. The issue's criteria are read from these: at density 0.5 within 0.6 of its own
 density-1 time, and at density 1 within 1.25 of cuDNN (``criteria`` in the JSON, for the
-configuration with the fastest density-1 time). The core never imports the built-in plugins:
+configuration with the fastest density-1 time), and a PNG plot beside the JSON. The core never imports the built-in plugins:
 the executor comes from the registry, as a third party's would.
 """
 
@@ -164,6 +164,36 @@ def criteria(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def plot(data: dict[str, Any], path: Path) -> Path | None:
+    """Time / dense cuDNN time against the computed share of the causal blocks, one line per
+    configuration and length, with the ideal proportional line of the fastest full-density one (PNG)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = [r for r in data["results"] if r.get("ms") is not None and "config" in r and r.get("ratio_vs_cudnn")]
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for key in dict.fromkeys((r["config"], r["seq"]) for r in rows):
+        pts = sorted((r["realised_density"], r["ratio_vs_cudnn"]) for r in rows if (r["config"], r["seq"]) == key)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} S={key[1]}")
+    best = min((r for r in rows if r["density"] == 1.0), key=lambda r: r["ratio_vs_cudnn"])
+    ax.plot([0, 1], [0, best["ratio_vs_cudnn"]], color="grey", lw=0.8, ls=":", label="proportional to blocks")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("computed share of the causal blocks")
+    ax.set_ylabel("time / dense cuDNN SDPA")
+    ax.set_title(f"block-sparse flex attention, {data['environment'].get('gpu') or 'cpu'}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m elasticfw.bench.density", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="JSON file to write (refused if it exists)")
@@ -217,11 +247,12 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     write(rec)
+    png = plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
     for c in criteria(rec.rows):
         value = "missing" if c["value"] is None else f"{c['value']:.3f}"
         print(f"[density] S={c['seq']} {c['figure']} ({c['config']}): {value} (limit {c['limit']}): "
               f"{'met' if c['met'] else 'NOT met'}")
-    print(f"[density] wrote {args.out}; {len(rec.failures)} failure(s)")
+    print(f"[density] wrote {args.out}" + (f" and {png}" if png else "") + f"; {len(rec.failures)} failure(s)")
     return 1 if rec.failures else 0
 
 

@@ -47,10 +47,13 @@ Memory beyond the inputs and the (B, Hkv, NQB, NKB) float32 output: the float32 
 mean is taken from (``4*B*Hkv*S*d``, transient), and ``8*B*Hq*Sq`` bytes of row statistics. Nothing
 is quadratic in the sequence.
 
-Tile sizes, warps and pipeline stages are the module constants below. **They are untimed**:
-chosen by reasoning for Hopper (256-row tiles so that a GQA group of 4 at block 64 shares every
-key tile, 64 windows per step, 8 warps, 2 stages), not measured; tune them on the GPU (the public
-function takes ``block_m`` / ``block_n`` / ``split`` overrides). :func:`unsupported` says when
+Tile sizes, warps and pipeline stages are the module constants below, chosen by reasoning for
+Hopper (256-row tiles so that a GQA group of 4 at block 64 shares every key tile, 64 windows per
+step, 8 warps, 2 stages). On one H200 at 128K (paper defaults, Hq 32 / Hkv 8, bf16) the two
+passes take 53.5 ms (23.6 + 29.3), the fastest of the four tile configurations timed (128 x 64,
+128 x 128 and 256 x 128 took 67.6, 72.7 and 53.8); ``split`` 1 takes 37.3 ms and 3 63.3
+(``results/bench/issue10-s4/planner_timing.log``). The public function takes ``block_m`` /
+``block_n`` / ``split`` overrides. :func:`unsupported` says when
 the kernels cannot run (no Triton on the device, a dtype other than float16 / bfloat16 /
 float32, a block above :data:`MAX_BLOCK`, a head dim above :data:`MAX_HEAD_DIM`); callers then
 use the torch reference.

@@ -63,9 +63,9 @@ Cost, by ``query_granularity``. Scoring is the same for both: ``score_chunk`` qu
 CUDA, or ``triton``) instead runs the fused two-pass kernels of
 :mod:`elasticfw.kernels.nsa_importance` (softmax statistics per row, then the probabilities summed
 per tile and mapped onto key blocks, no score matrix stored; same importances up to float32
-rounding; the torch path took 551 ms at 128K on one H200, 2.18x a dense cuDNN layer; the kernels
-are not timed yet). ``token`` always scores in PyTorch. ``block`` keeps one selection per tile:
-an ``O((S/bs)^2)`` layout per KV head, token-masked only at the window's edges, so block kernels
+rounding; at 128K on one H200 the layout takes 56.9 ms with it, 0.23x a dense cuDNN layer, against
+546 ms with the torch path, ``results/bench/issue10-s4/``). ``token`` always scores in PyTorch.
+``block`` keeps one selection per tile: an ``O((S/bs)^2)`` layout per KV head, token-masked only at the window's edges, so block kernels
 run whole tiles. ``token`` ranks the key blocks once per query row instead of once per tile
 (``bs`` times the sorting) and keeps an ``O(S^2 / bs)`` bool table per KV head and sample (16M
 entries at ``S = 32K``, ``bs = 64``). Rows of a tile seldom agree on the blocks they choose
