@@ -24,9 +24,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import elasticfw.kernels as kernels_module
+
 pytest.importorskip("triton")
 
-import elasticfw_plugins.modes.moba as moba_module
 from elasticfw.attention.layout import dense_mask
 from elasticfw.attention.pattern_layouts import tile_union
 from elasticfw.attention.patterns import gate_scores, mean_pool_keys
@@ -282,7 +283,7 @@ def test_planner_default_and_backend_choice(monkeypatch):
         make_mode("moba", cfg).build_layout(q, q[:, :1], SeqInfo.dense(1, 32, 32))
     # granularity block always plans in torch: a pinned triton planner does not get in its way
     make_mode("moba", {**cfg, "query_granularity": "block"}).build_layout(q, q[:, :1], SeqInfo.dense(1, 32, 32))
-    monkeypatch.setattr(moba_module, "triton_unavailable", lambda device: "no triton in this test")
+    monkeypatch.setattr(kernels_module, "triton_unavailable", lambda device: "no triton in this test")
     with pytest.raises(BackendUnavailableError, match=r"moba\.planner.*no triton in this test|no triton.*moba\.planner"):
         make_mode("moba", {"planner": "triton"}).planning_backend(q, 4)
 

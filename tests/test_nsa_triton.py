@@ -19,13 +19,14 @@ import math
 import pytest
 import torch
 
+import elasticfw.kernels as kernels_module
+
 pytest.importorskip("triton")
 
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
 from elasticfw.kernels import triton_unavailable
 from elasticfw.testing.modes import make_mode
-from elasticfw_plugins.modes import nsa as nsa_module
 from elasticfw_plugins.modes.nsa import NSAConfig
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -249,7 +250,7 @@ def test_scorer_default_and_backend_choice(monkeypatch):
     assert make_mode("nsa", {}).scoring_backend(q, q) == "torch"
     if DEV.type == "cpu":  # the interpreter is on (tests/conftest.py): a pinned triton runs it
         assert _mode(16, 8, 4, "triton").scoring_backend(q, q) == "triton"
-    monkeypatch.setattr(nsa_module, "triton_unavailable", lambda device: "no triton in this test")
+    monkeypatch.setattr(kernels_module, "triton_unavailable", lambda device: "no triton in this test")
     assert _mode(16, 8, 4, "auto").scoring_backend(q, q) == "torch"
     with pytest.raises(BackendUnavailableError, match=r"nsa\.scorer = 'triton'.*no triton in this test"):
         _mode(16, 8, 4, "triton").scoring_backend(q, q)

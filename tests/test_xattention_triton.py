@@ -22,6 +22,8 @@ import math
 import pytest
 import torch
 
+import elasticfw.kernels as kernels_module
+
 pytest.importorskip("triton")
 
 from elasticfw.attention.patterns import antidiagonal_mass, iter_antidiagonal_mass
@@ -323,7 +325,7 @@ def test_estimator_default_and_backend_choice(monkeypatch):
     assert make_mode("xattention", {"estimator": "torch"}).planning_backend(q) == "torch"
     # auto never runs the interpreter on a CPU: the conformance suite and CPU runs keep the torch path
     assert make_mode("xattention", {}).planning_backend(q) == "torch"
-    monkeypatch.setattr(xa, "triton_unavailable", lambda device: "no triton in this test")
+    monkeypatch.setattr(kernels_module, "triton_unavailable", lambda device: "no triton in this test")
     assert make_mode("xattention", {}).planning_backend(q) == "torch"
     with pytest.raises(BackendUnavailableError, match=r"sparse_mode\.estimator.*no triton in this test"):
         make_mode("xattention", {"estimator": "triton"}).planning_backend(q)

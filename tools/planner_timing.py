@@ -18,32 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from xattention_planning_timing import timed  # tools/ is the script's folder: sys.path[0]
 
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.bench.inputs import structured_qkv
 from elasticfw.provenance import environment
 from elasticfw.testing.modes import make_mode
-
-
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    """Median milliseconds of ``fn`` over ``repeats`` calls after one warm-up call."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -14,10 +14,14 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 
-__all__ = ["interpreting", "triton_unavailable"]
+from elasticfw.errors import BackendUnavailableError
+
+__all__ = ["choose_backend", "interpreting", "triton_unavailable"]
 
 
 def interpreting() -> bool:
@@ -43,3 +47,40 @@ def triton_unavailable(device: torch.device) -> str | None:
     if device.type == "cpu" and interpreting():
         return None
     return f"Triton kernels run on CUDA tensors (or on the CPU under TRITON_INTERPRET=1), not on {device.type}"
+
+
+def choose_backend(
+    choice: str,
+    device: torch.device,
+    why_not: Callable[[], str | None],
+    *,
+    mode: str,
+    field: str,
+    label: str,
+    eligible: bool = True,
+) -> Literal["torch", "triton"]:
+    """Resolve a mode's ``auto | torch | triton`` planning-backend field for tensors on ``device``.
+
+    ``why_not`` gives the kernel's own reason not to run (its module's ``unsupported``; it is
+    called only where Triton can run, so it may import the kernel module). ``auto`` takes the
+    kernel on CUDA when it can run and ``eligible`` (e.g. autograd not recording), never the
+    interpreter on a CPU; a pinned ``triton`` that cannot run raises
+    :class:`~elasticfw.errors.BackendUnavailableError` naming ``mode.field`` and the recipe
+    fields it comes from (``label`` is the mode's name in prose).
+    """
+    if choice == "torch":
+        return "torch"
+    reason = triton_unavailable(device)
+    if reason is None:
+        try:
+            reason = why_not()
+        except ImportError as exc:  # an installed but broken triton
+            reason = f"the Triton kernels failed to import ({exc})"
+    if choice == "auto":
+        return "triton" if reason is None and device.type == "cuda" and eligible else "torch"
+    if reason is not None:
+        raise BackendUnavailableError(
+            f"{mode}.{field} = 'triton' (elastic.sparse_mode.{field}, or elastic.retrieval_mode.{field} when "
+            f"{label} is the retrieval mode) cannot run here: {reason} (set {mode}.{field} to 'auto' or 'torch')"
+        )
+    return "triton"

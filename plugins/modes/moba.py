@@ -58,8 +58,7 @@ from elasticfw.attention.pattern_layouts import (
 )
 from elasticfw.attention.patterns import gate_scores, mean_pool_keys, pool_tiles, query_grid, topk_select
 from elasticfw.attention.seq import SeqInfo
-from elasticfw.errors import BackendUnavailableError
-from elasticfw.kernels import triton_unavailable
+from elasticfw.kernels import choose_backend
 
 #: query rows gated at once (bounds the float32 gate scores at B x Hq x chunk x n_moba_blocks)
 GATE_CHUNK = 4096
@@ -115,25 +114,12 @@ class MobaAttention(AttentionMode):
         (``planner`` resolved on its device): ``auto`` picks the Triton kernel on CUDA when it can
         run, torch elsewhere (never the interpreter on a CPU); a pinned ``triton`` that cannot run
         raises :class:`~elasticfw.errors.BackendUnavailableError`."""
-        choice = self.config.planner
-        if choice == "torch":
-            return "torch"
-        reason = triton_unavailable(q.device)
-        if reason is None:
-            try:
-                from elasticfw.kernels.moba_select import unsupported
-            except ImportError as exc:  # an installed but broken triton
-                reason = f"the Triton kernel failed to import ({exc})"
-            else:
-                reason = unsupported(q, num_blocks=num_blocks)
-        if choice == "auto":
-            return "triton" if reason is None and q.device.type == "cuda" else "torch"
-        if reason is not None:
-            raise BackendUnavailableError(
-                f"moba: planner = 'triton' (elastic.sparse_mode.planner, or retrieval_mode.planner when MoBA is "
-                f"the retrieval mode) cannot run here: {reason} (set moba.planner to 'auto' or 'torch')"
-            )
-        return "triton"
+        def why_not() -> str | None:
+            from elasticfw.kernels.moba_select import unsupported
+
+            return unsupported(q, num_blocks=num_blocks)
+
+        return choose_backend(self.config.planner, q.device, why_not, mode="moba", field="planner", label="MoBA")
 
     def build_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> BlockLayout:
         seq.check(q, k)

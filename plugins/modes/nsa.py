@@ -92,8 +92,7 @@ from elasticfw.attention.mode import AttentionMode, AttentionOutput, ModeConfig
 from elasticfw.attention.pattern_layouts import tile_union
 from elasticfw.attention.patterns import topk_select
 from elasticfw.attention.seq import SeqInfo
-from elasticfw.errors import BackendUnavailableError
-from elasticfw.kernels import triton_unavailable
+from elasticfw.kernels import choose_backend
 
 
 class NSAConfig(ModeConfig):
@@ -274,28 +273,16 @@ class NSAAttention(AttentionMode):
         recording through ``q`` or ``k``, torch elsewhere; a pinned ``triton`` that cannot run raises
         :class:`~elasticfw.errors.BackendUnavailableError`."""
         cfg = self.config
-        choice = cfg.scorer
-        if choice == "torch":
-            return "torch"
-        reason = triton_unavailable(q.device)
-        if reason is None:
-            try:
-                from elasticfw.kernels.nsa_importance import unsupported
-            except ImportError as exc:  # an installed but broken triton
-                reason = f"the Triton kernels failed to import ({exc})"
-            else:
-                reason = unsupported(
-                    q, block_size=cfg.block_size, kernel=cfg.compress_kernel, stride=cfg.compress_stride
-                )
-        if choice == "auto":
-            recording = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-            return "triton" if reason is None and q.device.type == "cuda" and not recording else "torch"
-        if reason is not None:
-            raise BackendUnavailableError(
-                f"nsa.scorer = 'triton' (elastic.sparse_mode.scorer, or retrieval_mode.scorer when NSA is the "
-                f"retrieval mode) cannot run here: {reason} (set scorer to 'auto' or 'torch')"
-            )
-        return "triton"
+
+        def why_not() -> str | None:
+            from elasticfw.kernels.nsa_importance import unsupported
+
+            return unsupported(q, block_size=cfg.block_size, kernel=cfg.compress_kernel, stride=cfg.compress_stride)
+
+        recording = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+        return choose_backend(
+            cfg.scorer, q.device, why_not, mode="nsa", field="scorer", label="NSA", eligible=not recording
+        )
 
     def block_importance(
         self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, scale: float | None = None

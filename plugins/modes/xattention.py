@@ -91,8 +91,7 @@ from elasticfw.attention.patterns import (
     threshold_select,
 )
 from elasticfw.attention.seq import SeqInfo
-from elasticfw.errors import BackendUnavailableError
-from elasticfw.kernels import triton_unavailable
+from elasticfw.kernels import choose_backend
 
 __all__ = ["XAttention", "XAttentionConfig", "antidiagonal_scores", "block_mass", "select_blocks"]
 
@@ -189,26 +188,14 @@ class XAttention(AttentionMode):
         """The backend :meth:`build_layout` uses for ``q`` (``estimator`` resolved on its device):
         ``auto`` picks the Triton kernels on CUDA when they can run, torch elsewhere; a pinned
         ``triton`` that cannot run raises :class:`~elasticfw.errors.BackendUnavailableError`."""
-        choice = self.config.estimator
-        if choice == "torch":
-            return "torch"
-        reason = triton_unavailable(q.device)
-        if reason is None:
-            try:
-                from elasticfw.kernels.xattention_estimate import unsupported
-            except ImportError as exc:  # an installed but broken triton
-                reason = f"the Triton kernels failed to import ({exc})"
-            else:
-                reason = unsupported(q, block_size=self.config.block_size, stride=self.config.stride)
-        if choice == "auto":
-            return "triton" if reason is None and q.device.type == "cuda" else "torch"
-        if reason is not None:
-            raise BackendUnavailableError(
-                f"xattention: estimator = 'triton' (elastic.sparse_mode.estimator, or retrieval_mode.estimator "
-                f"when XAttention is the retrieval mode) cannot run here: {reason} "
-                "(set estimator to 'auto' or 'torch')"
-            )
-        return "triton"
+        def why_not() -> str | None:
+            from elasticfw.kernels.xattention_estimate import unsupported
+
+            return unsupported(q, block_size=self.config.block_size, stride=self.config.stride)
+
+        return choose_backend(
+            self.config.estimator, q.device, why_not, mode="xattention", field="estimator", label="XAttention"
+        )
 
     def build_layout(
         self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, *, scale: float | None = None
