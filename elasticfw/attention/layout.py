@@ -30,6 +30,21 @@ TokenMask = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], t
 
 
 @dataclass(frozen=True)
+class RowSelection:
+    """A token mask of the form "query row ``i`` sees the key groups it selected", kept as data so
+    that a kernel can run it without evaluating the mask per pair (per-token MoBA, per-token NSA).
+
+    ``selected`` is (B or 1, H, Sq, G) bool: row ``i`` (position ``seq.q_start[b] + i``) of head
+    ``h`` sees the keys ``[n * group_size, (n + 1) * group_size)`` of every group ``n`` it selects,
+    causally. ``H`` divides the layout's query heads (query head ``h`` reads row ``h // (Hq / H)``,
+    as :func:`expand_heads` maps a token mask). The layout's ``token_mask`` computes the same pairs.
+    """
+
+    selected: torch.Tensor
+    group_size: int
+
+
+@dataclass(frozen=True)
 class BlockLayout:
     """Per-(batch, head, query block) key blocks, optionally refined by a token mask.
 
@@ -40,7 +55,10 @@ class BlockLayout:
     ``reusable`` is set by whoever hands the *same object* to many executor calls (the runtime
     does, for modes whose layout depends only on ``seq``: one layout for every layer of a
     forward): an executor may then keep what it derives from the layout (a BlockMask), keyed on
-    the object's identity. A layout's tensors are never changed in place.
+    the object's identity. A layout's tensors are never changed in place. ``row_selection``, when
+    set, is the token mask as data (:class:`RowSelection`); transformations that change which
+    pairs a layout computes build a new layout without it, so an executor may use it instead of
+    ``blocks`` and ``token_mask`` whenever it is present.
     """
 
     blocks: torch.Tensor
@@ -49,6 +67,7 @@ class BlockLayout:
     partial: torch.Tensor | None = None
     dense_causal: bool = False
     reusable: bool = False
+    row_selection: RowSelection | None = None
 
     def __post_init__(self) -> None:
         if self.blocks.dtype != torch.bool or self.blocks.dim() != 4:

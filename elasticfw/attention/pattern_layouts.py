@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from elasticfw.attention.layout import BlockLayout, block_grid
+from elasticfw.attention.layout import BlockLayout, RowSelection, block_grid
 from elasticfw.attention.patterns import pool_tiles, query_grid
 from elasticfw.attention.seq import SeqInfo
 
@@ -117,7 +117,7 @@ def row_selection_layout_from_tiles(
         group = torch.div(kv_pos, kbs, rounding_mode="floor").clamp(0, groups - 1)
         return selected[b, h, row, group]
 
-    return BlockLayout(blocks, block_size, token_mask, partial)
+    return BlockLayout(blocks, block_size, token_mask, partial, row_selection=RowSelection(selected, kbs))
 
 
 def _range_counts(prefix: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:

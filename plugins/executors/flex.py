@@ -66,6 +66,7 @@ from elasticfw.attention.layout import BlockLayout
 from elasticfw.attention.mode import AttentionOutput
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError, UnsupportedInputError
+from elasticfw.kernels import triton_unavailable
 
 #: tile size FlexAttention's default CUDA kernel configurations divide (see module docstring)
 CUDA_KERNEL_BLOCK = 128
@@ -104,6 +105,14 @@ class FlexConfig(ExecutorConfig):
     )
     recompile_limit: int = Field(
         64, ge=1, description="Dynamo recompile limit while this executor runs; exceeding it is an error."
+    )
+    row_selection_kernel: Literal["flex", "auto", "triton"] = Field(
+        "flex",
+        description="Layouts that carry a row selection (per-token MoBA): `flex` runs them through "
+        "FlexAttention with their token mask; `triton` through the row-selection Triton kernel "
+        "(elasticfw.kernels.row_select_attention: each query tile visits only the key groups its rows "
+        "selected; forward only, an error where it cannot run); `auto` the kernel on CUDA for calls "
+        "without autograd, FlexAttention otherwise.",
     )
     emulation_query_chunk: int = Field(
         512, ge=1, description="Emulated path: padded query rows processed at once (memory chunk x S)."
@@ -258,8 +267,16 @@ class FlexExecutor(Executor):
         over a SeqInfo with a :meth:`~elasticfw.attention.seq.SeqInfo.host_signature` is kept
         (the last :data:`MASK_CACHE_SIZE`) and reused by later calls with the same layout object,
         shapes and ``keep_key``: a hashable host-side description of ``keep_heads`` that the caller
-        vouches for (without it, a call with ``keep_heads`` is not cached)."""
+        vouches for (without it, a call with ``keep_heads`` is not cached).
+
+        A layout with a :class:`~elasticfw.attention.layout.RowSelection` runs through the
+        row-selection kernel instead when ``row_selection_kernel`` says so."""
         cfg = self.config
+        if layout.row_selection is not None and self._row_selection_kernel(q, k, v):
+            from elasticfw.kernels.row_select_attention import row_selection_attention
+
+            out, lse = row_selection_attention(q, k, v, layout.row_selection, seq, scale=scale, keep_heads=keep_heads)
+            return AttentionOutput(out, lse)
         impl = self.implementation(q.device)
         kb = self.kernel_block_size(layout.block_size, impl, q.device)
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
@@ -312,6 +329,29 @@ class FlexExecutor(Executor):
         else:
             out, lse = self._run_compiled(qp, kp, vp, fm, scale)
         return AttentionOutput(fm.unpad_rows(out), fm.unpad_rows(lse).float())
+
+    def _row_selection_kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether a row-selection layout runs through the Triton kernel (``row_selection_kernel``)."""
+        choice = self.config.row_selection_kernel
+        if choice == "flex":
+            return False
+        recording = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        reason = "it has no backward (autograd is recording)" if recording else triton_unavailable(q.device)
+        if reason is None:
+            try:
+                from elasticfw.kernels.row_select_attention import unsupported
+            except ImportError as exc:  # an installed but broken triton
+                reason = f"the Triton kernel failed to import ({exc})"
+            else:
+                reason = unsupported(q)
+        if choice == "auto":
+            return reason is None and q.device.type == "cuda"
+        if reason is not None:
+            raise BackendUnavailableError(
+                f"flex executor: row_selection_kernel = 'triton' cannot run here: {reason} (set "
+                "executor.row_selection_kernel, or split.flex.row_selection_kernel, to 'auto' or 'flex')"
+            )
+        return True
 
     def _run_compiled(self, q, k, v, fm: FlexMask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         from torch._dynamo.exc import FailOnRecompileLimitHit
