@@ -32,7 +32,8 @@ JSON under ``--out`` as it goes:
 6. ``variants/`` (only with ``--steps variants``; ``targets`` does not read it): the 128K layer of
    MoBA with ``query_granularity: block`` and NSA with ``token``, and MoBA's and NSA's 64-token
    layouts (their defaults) on 64 x 64 FlexAttention tiles (``--flex-set``) instead of coarsened
-   to 128.
+   to 128, and per-token MoBA through the row-selection kernel (``row_selection_kernel=triton``,
+   after a check against the reference executor at 16K).
 
 then ``targets``. ``demo-cpu`` times the old CPU demo (``results/demo-cpu.json``: ``elasticfw
 compare`` on the embedded SmolLM2-135M, passkey at 1,440 tokens, 20 samples, batch 4, 8 new tokens;
@@ -99,13 +100,17 @@ def gpu(args: argparse.Namespace) -> int:
     }
     # beside the figures (in variants/, which targets does not read): MoBA with one selection per
     # query tile (NSA with one per token), and both 64-token layouts on 64 x 64 FlexAttention tiles
-    variant = [py, "-m", "elasticfw.bench.attention", "--seq", "131072", "--executors", "flex", "split", "--no-backward",
-               "--no-hybrid", "--check-seq", "0", "--warmup-ms", "50", "--rep-ms", "300", "--overwrite"]
+    base = [py, "-m", "elasticfw.bench.attention", "--seq", "131072", "--executors", "flex", "split", "--no-backward",
+            "--no-hybrid", "--warmup-ms", "50", "--rep-ms", "300", "--overwrite"]
+    variant = [*base, "--check-seq", "0"]
     steps["variants"] = [
         [*variant, "--modes", "moba", "nsa", "--set", "moba.query_granularity=block", "--set", "nsa.query_granularity=token",
          "--out", str(out / "variants" / "granularity_128k.json")],
         [*variant, "--modes", "moba", "nsa", "--flex-set", "kernel_block_size=64", "--flex-set",
          "kernel_options={BLOCK_M: 64, BLOCK_N: 64}", "--out", str(out / "variants" / "tiles64_128k.json")],
+        # per-token MoBA through the row-selection kernel, checked against the reference at 16K first
+        [*base, "--check-seq", "16384", "--modes", "moba",
+         "--flex-set", "row_selection_kernel=triton", "--out", str(out / "variants" / "moba_rowsel_128k.json")],
     ]
     codes = []
     for name in args.steps:
