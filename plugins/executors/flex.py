@@ -349,7 +349,8 @@ class FlexExecutor(Executor):
         if reason is not None:
             raise BackendUnavailableError(
                 f"flex executor: row_selection_kernel = 'triton' cannot run here: {reason} (set "
-                "executor.row_selection_kernel, or split.flex.row_selection_kernel, to 'auto' or 'flex')"
+                "elastic.executor.row_selection_kernel, or elastic.executor.flex.row_selection_kernel under "
+                "split, to 'auto' or 'flex')"
             )
         return True
 
