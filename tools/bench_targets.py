@@ -29,6 +29,9 @@ JSON under ``--out`` as it goes:
 5. ``density.json`` — ``python -m elasticfw.bench.density --seq 131072 --tiles 128,128,8,2
    128,64,4,3``: the flex executor on random block layouts of 100% down to 12.5% of the causal
    blocks, against dense cuDNN (the block-sparse kernel's criteria).
+Before them ``--steps gpu-tests`` runs the GPU tests of the kernels (``pytest -m gpu``,
+``gpu_tests.xml``): the kernels' correctness at long lengths, checked on the same machine.
+
 6. ``variants/`` (only with ``--steps variants``; ``targets`` does not read it): the 128K layer of
    MoBA with ``query_granularity: block`` and NSA with ``token``, and MoBA's and NSA's 64-token
    layouts (their defaults) on 64 x 64 FlexAttention tiles (``--flex-set``) instead of coarsened
@@ -95,6 +98,9 @@ def gpu(args: argparse.Namespace) -> int:
          "--reps", "3", "--overwrite", "--out", str(out / "prefill.json")],
         "decode": [py, "-m", "elasticfw.bench.decode_memory", "--prefill-executor", "split", "--decode-executor", "split",
          "--out", str(out / "decode.json")],
+        "gpu-tests": [py, "-m", "pytest", "tests/test_gpu.py", "tests/test_router_fused.py", "tests/test_xattention_triton.py",
+         "tests/test_moba_triton.py", "tests/test_nsa_triton.py", "tests/test_row_select_attention.py", "-m", "gpu", "-q",
+         "-p", "no:cacheprovider", "--junitxml", str(out / "gpu_tests.xml")],
         "density": [py, "-m", "elasticfw.bench.density", "--seq", "131072", "--tiles", "128,128,8,2", "128,64,4,3",
          "--overwrite", "--out", str(out / "density.json")],
     }
@@ -189,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--out", type=Path, default=Path("results/bench/issue10"))
     g.add_argument("--layers", type=int, default=4, help="decoder layers of the model prefill (of 32)")
     g.add_argument("--with-qwen", action="store_true", help="also the Qwen3-8B shape in the prefill benchmark")
-    g.add_argument("--steps", nargs="+", choices=["attention", "router", "prefill", "decode", "density", "variants"],
+    g.add_argument("--steps", nargs="+", choices=["gpu-tests", "attention", "router", "prefill", "decode", "density", "variants"],
                    default=["attention", "router", "prefill", "density"],
                    help="which benchmarks to run (one call each when a command has a time limit)")
     g.set_defaults(func=gpu)
