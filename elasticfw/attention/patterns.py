@@ -25,6 +25,7 @@ causality (key ``j`` reaches the query at position ``p`` iff ``j <= p``) and pad
 * :func:`antidiagonal_scores`, :func:`iter_antidiagonal_mass`, :func:`antidiagonal_mass` —
   XAttention's strided antidiagonal estimate of the attention mass per (query block, key block)
   (``backend="triton"``: the fused kernels of :mod:`elasticfw.kernels.xattention_estimate`).
+* :func:`window_means` — NSA's compressed keys: means of (overlapping) fixed windows.
 * :func:`mean_pool_keys` / :func:`gate_scores` — MoBA's gate: each query against the mean of a
   key block's real keys.
 * :func:`query_grid` / :func:`pool_tiles` — lay query rows (or per-row values) on the layout's
@@ -406,6 +407,18 @@ def antidiagonal_mass(
 # ---------------------------------------------------------------------------------------
 # MoBA's gate: queries against mean-pooled key blocks
 # ---------------------------------------------------------------------------------------
+
+
+def window_means(x: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
+    """(B, H, S, D) -> (B, H, M, D) float32: mean of ``x[m*stride : m*stride + kernel]`` for every
+    complete window (``M = (S - kernel) // stride + 1``, 0 when ``S < kernel``): NSA's
+    parameter-free compression of keys and values (overlapping windows when ``stride < kernel``)."""
+    batch, heads, length, dim = x.shape
+    if kernel < 1 or stride < 1:
+        raise ValueError(f"window_means: kernel and stride must be positive, got {kernel} and {stride}")
+    if length < kernel:
+        return x.new_zeros(batch, heads, 0, dim, dtype=torch.float32)
+    return x.float().unfold(2, kernel, stride).mean(-1)
 
 
 def mean_pool_keys(k: torch.Tensor, seq: SeqInfo, block: int) -> torch.Tensor:

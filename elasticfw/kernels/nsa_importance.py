@@ -11,7 +11,7 @@ are) and ``overlap`` counting the stride-sized sub-chunks ``m .. m + kernel/stri
 ``m`` that lie in block ``n``. Two passes over the ``rows x windows`` scores, never storing them:
 
 * **Compressed keys.** ``c = mean(k[m*stride : m*stride + kernel])`` is computed beforehand in
-  torch, in float32 (the same expression as the mode's ``compress_mean``; cheap: ``S/stride``
+  torch, in float32 (:func:`~elasticfw.attention.patterns.window_means`, as the mode does; cheap: ``S/stride``
   keys per KV head). The kernels read it as ``SPLIT`` terms in the input dtype,
   ``c ~ c_1 + c_2 (+ c_3)`` with ``c_1 = c`` rounded to the input dtype and each next term the
   rounded remainder, so that ``q . c`` is a sum of ``SPLIT`` tensor-core products of 16-bit
@@ -65,6 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
+from elasticfw.attention.patterns import window_means
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
 from elasticfw.kernels import interpreting, triton_unavailable
@@ -195,6 +196,38 @@ def _load_q(q_ptr, b, hq, ri, real, stride_qb, stride_qh, stride_qs, stride_qd,
 
 
 @triton.jit
+def _chunk_rows(
+    q_ptr, row_max_ptr, row_sum_ptr, b, hkv, t0, hc, q_start, kv_len, q_len, num_rows, group_size, stat_base,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    BS: tl.constexpr, BS_PAD: tl.constexpr, RB: tl.constexpr, HP: tl.constexpr,
+    KERNEL: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Head chunk ``hc``'s rows for pass 2: positions, usable rows, queries, pass 1's max and 1/sum."""
+    head, pos, ri, real, usable = _rows(
+        t0, hc, q_start, kv_len, q_len, num_rows, group_size, BS, BS_PAD, RB, HP, KERNEL, BLOCK_M
+    )
+    qv = _load_q(
+        q_ptr, b, hkv * group_size + head, ri, real, stride_qb, stride_qh, stride_qs, stride_qd,
+        HEAD_DIM, D_PAD, UPCAST,
+    )
+    stat = stat_base + head.to(tl.int64) * q_len + ri
+    row_max = tl.load(row_max_ptr + stat, mask=usable, other=0.0)
+    inv_sum = 1.0 / tl.load(row_sum_ptr + stat, mask=usable, other=1.0)
+    return pos, usable, qv, row_max, inv_sum
+
+
+@triton.jit
+def _overlap(first, gj, blocks, PER_BLOCK: tl.constexpr, GROUP_PAD: tl.constexpr, WINDOWS_PER_KERNEL: tl.constexpr):
+    """(BLOCK_N, len(blocks)) float32: sub-chunks a column's window (its first sub-chunk ``first``,
+    from the step's start) shares with each block of ``blocks`` (counted from the step's start)."""
+    lo = first[:, None]
+    shared = tl.minimum(lo + WINDOWS_PER_KERNEL, (blocks[None, :] + 1) * PER_BLOCK) - tl.maximum(
+        lo, blocks[None, :] * PER_BLOCK
+    )
+    return tl.where(gj[:, None] < PER_BLOCK, tl.maximum(shared, 0), 0).to(tl.float32)
+
+
+@triton.jit
 def _windows(kt, num_windows, PER_BLOCK: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
     """Window index of every column of step ``kt`` and whether it exists."""
     KEY_BLOCKS: tl.constexpr = BLOCK_N // GROUP_PAD
@@ -310,26 +343,18 @@ def _importance_kernel(
     )
     n_steps = _num_steps(pos, usable, KERNEL, STRIDE, PER_BLOCK, KEY_BLOCKS)
     if HEAD_CHUNKS == 1:  # the whole group is resident: load its rows and statistics once
-        qv0 = _load_q(
-            q_ptr, b, hkv * group_size + head, ri, real, stride_qb, stride_qh, stride_qs, stride_qd,
-            HEAD_DIM, D_PAD, UPCAST,
+        _, _, qv0, max0, inv0 = _chunk_rows(
+            q_ptr, row_max_ptr, row_sum_ptr, b, hkv, t0, 0, q_start, kv_len, q_len, num_rows, group_size, stat_base,
+            stride_qb, stride_qh, stride_qs, stride_qd, BS, BS_PAD, RB, HP, KERNEL, BLOCK_M, HEAD_DIM, D_PAD, UPCAST,
         )
-        stat0 = stat_base + head.to(tl.int64) * q_len + ri
-        max0 = tl.load(row_max_ptr + stat0, mask=usable, other=0.0)
-        inv0 = 1.0 / tl.load(row_sum_ptr + stat0, mask=usable, other=1.0)
 
     # overlap (in sub-chunks) of each column's window with the step's own blocks and the next ones
     c = tl.arange(0, BLOCK_N)
     gj = c % GROUP_PAD
     first = (c // GROUP_PAD) * PER_BLOCK + gj  # the window's first sub-chunk, from the step's start
     n = tl.arange(0, KEY_BLOCKS)
-    lo = first[:, None]
-    hi = lo + WINDOWS_PER_KERNEL
-    own = tl.minimum(hi, (n[None, :] + 1) * PER_BLOCK) - tl.maximum(lo, n[None, :] * PER_BLOCK)
-    own = tl.where(gj[:, None] < PER_BLOCK, tl.maximum(own, 0), 0).to(tl.float32)
-    nxt_n = n[None, :] + KEY_BLOCKS
-    nxt = tl.minimum(hi, (nxt_n + 1) * PER_BLOCK) - tl.maximum(lo, nxt_n * PER_BLOCK)
-    nxt = tl.where(gj[:, None] < PER_BLOCK, tl.maximum(nxt, 0), 0).to(tl.float32)
+    own = _overlap(first, gj, n, PER_BLOCK, GROUP_PAD, WINDOWS_PER_KERNEL)
+    nxt = _overlap(first, gj, n + KEY_BLOCKS, PER_BLOCK, GROUP_PAD, WINDOWS_PER_KERNEL)
 
     rb = tl.arange(0, RB)
     out_rows = (
@@ -348,16 +373,11 @@ def _importance_kernel(
                 inv_sum = inv0
                 ok = usable
             else:
-                head, pos, ri, real, ok = _rows(
-                    t0, hc, q_start, kv_len, q_len, num_rows, group_size, BS, BS_PAD, RB, HP, KERNEL, BLOCK_M
+                pos, ok, qv, row_max, inv_sum = _chunk_rows(
+                    q_ptr, row_max_ptr, row_sum_ptr, b, hkv, t0, hc, q_start, kv_len, q_len, num_rows, group_size,
+                    stat_base, stride_qb, stride_qh, stride_qs, stride_qd,
+                    BS, BS_PAD, RB, HP, KERNEL, BLOCK_M, HEAD_DIM, D_PAD, UPCAST,
                 )
-                qv = _load_q(
-                    q_ptr, b, hkv * group_size + head, ri, real, stride_qb, stride_qh, stride_qs, stride_qd,
-                    HEAD_DIM, D_PAD, UPCAST,
-                )
-                stat = stat_base + head.to(tl.int64) * q_len + ri
-                row_max = tl.load(row_max_ptr + stat, mask=ok, other=0.0)
-                inv_sum = 1.0 / tl.load(row_sum_ptr + stat, mask=ok, other=1.0)
             s = _scores(
                 qv, c_base, m, m_ok, stride_ct, stride_cm, stride_cd,
                 SPLIT, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, IEEE, UPCAST,
@@ -381,13 +401,6 @@ def _importance_kernel(
 # ---------------------------------------------------------------------------------------
 # Entry point
 # ---------------------------------------------------------------------------------------
-
-
-def _compress(k: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
-    """The mode's ``compress_mean``: (B, Hkv, M, D) float32 window means."""
-    if k.shape[2] < kernel:
-        return k.new_zeros(k.shape[0], k.shape[1], 0, k.shape[3], dtype=torch.float32)
-    return k.float().unfold(2, kernel, stride).mean(-1)
 
 
 def _split(c: torch.Tensor, dtype: torch.dtype, terms: int) -> torch.Tensor:
@@ -421,7 +434,7 @@ def nsa_block_importance_triton(
 
     Returns (B, Hkv, NQB, NKB) float32, the same values up to float32 rounding (summation order;
     for 16-bit inputs also the ``split`` of the compressed keys, module docstring). ``q`` is read
-    in place through its strides. ``compressed`` may pass ``compress_mean(k, kernel, stride)``
+    in place through its strides. ``compressed`` may pass ``window_means(k, kernel, stride)``
     when the caller has it (float32, (B, Hkv, M, D)); ``split`` (1 to 3, default :data:`SPLIT`)
     and ``block_m`` / ``block_n`` (powers of two) override the precision and the tile sizes.
     Raises :class:`~elasticfw.errors.BackendUnavailableError` where :func:`unsupported` gives a
@@ -446,7 +459,7 @@ def nsa_block_importance_triton(
     bs = block_size
     nqb, nkb = seq.num_query_blocks(bs), seq.num_key_blocks(bs)
     out = torch.zeros(batch, hkv, nqb, nkb, dtype=torch.float32, device=q.device)
-    c = _compress(k, kernel, stride) if compressed is None else compressed
+    c = window_means(k, kernel, stride) if compressed is None else compressed
     num_windows = c.shape[2]
     if c.shape != (batch, hkv, num_windows, dim):
         raise ValueError(f"compressed keys of shape {tuple(c.shape)} do not fit k {tuple(k.shape)}")

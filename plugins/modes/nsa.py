@@ -90,7 +90,7 @@ from pydantic import Field, model_validator
 from elasticfw.attention.layout import BlockLayout, block_grid
 from elasticfw.attention.mode import AttentionMode, AttentionOutput, ModeConfig
 from elasticfw.attention.pattern_layouts import tile_union
-from elasticfw.attention.patterns import topk_select
+from elasticfw.attention.patterns import topk_select, window_means
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.kernels import choose_backend
 
@@ -170,13 +170,8 @@ class NSAConfig(ModeConfig):
         return self
 
 
-def compress_mean(x: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
-    """(B, H, S, D) -> (B, H, M, D): mean of ``x[m*stride : m*stride + kernel]`` for every complete window
-    (``M = (S - kernel) // stride + 1``, 0 when ``S < kernel``), in the input dtype's float32 upcast."""
-    batch, heads, length, dim = x.shape
-    if length < kernel:
-        return x.new_zeros(batch, heads, 0, dim, dtype=torch.float32)
-    return x.float().unfold(2, kernel, stride).mean(-1)
+#: (B, H, S, D) -> (B, H, M, D) float32 window means (:func:`elasticfw.attention.patterns.window_means`)
+compress_mean = window_means
 
 
 def window_valid(seq: SeqInfo, rows: slice, num_windows: int, kernel: int, stride: int) -> torch.Tensor:
