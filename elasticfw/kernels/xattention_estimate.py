@@ -179,6 +179,52 @@ def _antidiagonal_tile(
 
 
 @triton.jit
+def _strided_rows(
+    tile, row0, row1, first_block, lo, hi,
+    STRIDE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """A program's row slots, layout rows from ``row0 + tile * BLOCK_M / GROUP_PAD`` (below
+    ``row1``) as (block, member) pairs: the slot index, layout row, member, absolute strided row,
+    whether it is a row of the range, whether it holds a real query, and the last real row (-1)."""
+    ROW_BLOCKS: tl.constexpr = BLOCK_M // GROUP_PAD
+    r = tl.arange(0, BLOCK_M)
+    t = row0 + tile * ROW_BLOCKS + r // GROUP_PAD
+    gi = r % GROUP_PAD
+    m_abs = (first_block + t) * GROUP + gi
+    row_ok = (gi < GROUP) & (t < row1)
+    real = row_ok & (m_abs * STRIDE < hi) & (m_abs * STRIDE + STRIDE > lo)
+    last = tl.max(tl.where(real, m_abs, -1), axis=0)
+    return r, t, gi, m_abs, row_ok, real, last
+
+
+@triton.jit
+def _strided_keys(kt, num_key_blocks, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tile ``kt``'s columns as (block, member) pairs: strided key index and whether it exists."""
+    KEY_BLOCKS: tl.constexpr = BLOCK_N // GROUP_PAD
+    c = tl.arange(0, BLOCK_N)
+    kb = kt * KEY_BLOCKS + c // GROUP_PAD
+    gj = c % GROUP_PAD
+    return kb * GROUP + gj, (gj < GROUP) & (kb < num_key_blocks)
+
+
+@triton.jit
+def _causal_scores(
+    q_base, k_base, m_abs, row_ok, lo, hi, kv_len, kt, num_key_blocks, qk_scale,
+    stride_qs, stride_qd, stride_ks, stride_kd,
+    STRIDE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Key tile ``kt``'s scaled base-2 logits, ``-inf`` past each row's strided diagonal."""
+    n_idx, col_ok = _strided_keys(kt, num_key_blocks, GROUP, GROUP_PAD, BLOCK_N)
+    s = _antidiagonal_tile(
+        q_base, k_base, m_abs, row_ok, lo, hi, n_idx, col_ok, kv_len,
+        stride_qs, stride_qd, stride_ks, stride_kd, STRIDE,
+        STRIDE, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, IEEE, UPCAST,
+    )
+    return tl.where(col_ok[None, :] & (n_idx[None, :] <= m_abs[:, None]), s * qk_scale, float("-inf"))
+
+
+@triton.jit
 def _stats_kernel(
     q_ptr, k_ptr, q_start_ptr, kv_len_ptr, row_max_ptr, row_sum_ptr,
     stride_qb, stride_qh, stride_qs, stride_qd,
@@ -190,7 +236,6 @@ def _stats_kernel(
 ):
     """Pass 1: per strided row, the max and the sum of ``exp2`` of the scaled scores over the
     strided-causal keys (base-2 logits: ``qk_scale`` includes log2(e))."""
-    ROW_BLOCKS: tl.constexpr = BLOCK_M // GROUP_PAD
     KEY_BLOCKS: tl.constexpr = BLOCK_N // GROUP_PAD
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows first
     h = tl.program_id(1)
@@ -201,13 +246,9 @@ def _stats_kernel(
     hi = tl.minimum(q_start + q_len, kv_len)  # real query positions: [lo, hi)
     first_block = q_start // (GROUP * STRIDE)
 
-    r = tl.arange(0, BLOCK_M)
-    t = tile * ROW_BLOCKS + r // GROUP_PAD  # layout row
-    gi = r % GROUP_PAD
-    m_abs = (first_block + t) * GROUP + gi  # absolute strided row
-    row_ok = (gi < GROUP) & (t < num_rows)
-    real = row_ok & (m_abs * STRIDE < hi) & (m_abs * STRIDE + STRIDE > lo)
-    last = tl.max(tl.where(real, m_abs, -1), axis=0)
+    r, t, gi, m_abs, row_ok, real, last = _strided_rows(
+        tile, 0, num_rows, first_block, lo, hi, STRIDE, GROUP, GROUP_PAD, BLOCK_M
+    )
     key_tiles = tl.cdiv(num_key_blocks, KEY_BLOCKS)
     n_tiles = tl.where(last >= 0, tl.minimum(key_tiles, (last // GROUP) // KEY_BLOCKS + 1), 0)
 
@@ -215,18 +256,12 @@ def _stats_kernel(
     k_base = k_ptr + b.to(tl.int64) * stride_kb + (h // group_size).to(tl.int64) * stride_kh
     row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     row_sum = tl.zeros((BLOCK_M,), tl.float32)
-    c = tl.arange(0, BLOCK_N)
     for kt in range(0, n_tiles):
-        kb = kt * KEY_BLOCKS + c // GROUP_PAD
-        gj = c % GROUP_PAD
-        n_idx = kb * GROUP + gj
-        col_ok = (gj < GROUP) & (kb < num_key_blocks)
-        s = _antidiagonal_tile(
-            q_base, k_base, m_abs, row_ok, lo, hi, n_idx, col_ok, kv_len,
-            stride_qs, stride_qd, stride_ks, stride_kd, STRIDE,
-            STRIDE, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, IEEE, UPCAST,
+        s = _causal_scores(
+            q_base, k_base, m_abs, row_ok, lo, hi, kv_len, kt, num_key_blocks, qk_scale,
+            stride_qs, stride_qd, stride_ks, stride_kd,
+            STRIDE, GROUP, GROUP_PAD, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, IEEE, UPCAST,
         )
-        s = tl.where(col_ok[None, :] & (n_idx[None, :] <= m_abs[:, None]), s * qk_scale, float("-inf"))
         # key n = 0 is in the first tile and causal for every row, so new_max is finite
         new_max = tl.maximum(row_max, tl.max(s, axis=1))
         row_sum = row_sum * tl.exp2(row_max - new_max) + tl.sum(tl.exp2(s - new_max[:, None]), axis=1)
@@ -262,18 +297,10 @@ def _mass_kernel(
     hi = tl.minimum(q_start + q_len, kv_len)
     first_block = q_start // (GROUP * STRIDE)
 
-    r = tl.arange(0, BLOCK_M)
-    t = row0 + tile * ROW_BLOCKS + r // GROUP_PAD
-    gi = r % GROUP_PAD
-    m_abs = (first_block + t) * GROUP + gi
-    row_ok = (gi < GROUP) & (t < row1)
-    real = row_ok & (m_abs * STRIDE < hi) & (m_abs * STRIDE + STRIDE > lo)
-    last = tl.max(tl.where(real, m_abs, -1), axis=0)
-    c = tl.arange(0, BLOCK_N)
-    kb = kt * KEY_BLOCKS + c // GROUP_PAD
-    gj = c % GROUP_PAD
-    n_idx = kb * GROUP + gj
-    col_ok = (gj < GROUP) & (kb < num_key_blocks)
+    r, t, gi, m_abs, row_ok, real, last = _strided_rows(
+        tile, row0, row1, first_block, lo, hi, STRIDE, GROUP, GROUP_PAD, BLOCK_M
+    )
+    n_idx, col_ok = _strided_keys(kt, num_key_blocks, GROUP, GROUP_PAD, BLOCK_N)
     # a tile wholly after every real row's diagonal (or without real rows) is all zero
     n_steps = tl.where(last >= kt * KEY_BLOCKS * GROUP, STRIDE, 0)
 
@@ -328,13 +355,9 @@ def _single_pass_kernel(
     hi = tl.minimum(q_start + q_len, kv_len)
     first_block = q_start // (GROUP * STRIDE)
 
-    r = tl.arange(0, BLOCK_M)
-    t = row0 + tile * ROW_BLOCKS + r // GROUP_PAD
-    gi = r % GROUP_PAD
-    m_abs = (first_block + t) * GROUP + gi
-    row_ok = (gi < GROUP) & (t < row1)
-    real = row_ok & (m_abs * STRIDE < hi) & (m_abs * STRIDE + STRIDE > lo)
-    last = tl.max(tl.where(real, m_abs, -1), axis=0)
+    r, t, gi, m_abs, row_ok, real, last = _strided_rows(
+        tile, row0, row1, first_block, lo, hi, STRIDE, GROUP, GROUP_PAD, BLOCK_M
+    )
     n_tiles = tl.where(last >= 0, tl.minimum(num_key_tiles, (last // GROUP) // KEY_BLOCKS + 1), 0)
 
     q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
@@ -345,18 +368,12 @@ def _single_pass_kernel(
     part_stride = num_key_tiles * KEY_BLOCKS
     row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     row_sum = tl.zeros((BLOCK_M,), tl.float32)
-    c = tl.arange(0, BLOCK_N)
     for kt in range(0, n_tiles):
-        kb = kt * KEY_BLOCKS + c // GROUP_PAD
-        gj = c % GROUP_PAD
-        n_idx = kb * GROUP + gj
-        col_ok = (gj < GROUP) & (kb < num_key_blocks)
-        s = _antidiagonal_tile(
-            q_base, k_base, m_abs, row_ok, lo, hi, n_idx, col_ok, kv_len,
-            stride_qs, stride_qd, stride_ks, stride_kd, STRIDE,
-            STRIDE, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, IEEE, UPCAST,
+        s = _causal_scores(
+            q_base, k_base, m_abs, row_ok, lo, hi, kv_len, kt, num_key_blocks, qk_scale,
+            stride_qs, stride_qd, stride_ks, stride_kd,
+            STRIDE, GROUP, GROUP_PAD, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, IEEE, UPCAST,
         )
-        s = tl.where(col_ok[None, :] & (n_idx[None, :] <= m_abs[:, None]), s * qk_scale, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(s, axis=1))  # finite: key 0 is causal for every row
         e = tl.exp2(s - new_max[:, None])
         row_sum = row_sum * tl.exp2(row_max - new_max) + tl.sum(e, axis=1)
