@@ -235,15 +235,14 @@ def _selection_cases():
         yield nkb, torch.stack([dyadic, random, zeros]), row_block
 
 
-@pytest.mark.parametrize("method", ["bisect", "sort"])
 @pytest.mark.parametrize("threshold", [0.05, 0.3, 0.5, 0.9, 0.999, 1.0])
-def test_selection_matches_select_blocks_exactly(threshold, method):
+def test_selection_matches_select_blocks_exactly(threshold):
     for nkb, mass, row_block in _selection_cases():
         mass, row_block = mass.to(DEV), row_block.to(DEV)
         ref = select_blocks(mass, row_block, threshold)
-        got = _select_triton(mass, row_block, threshold, method=method)
+        got = _select_triton(mass, row_block, threshold)
         assert torch.equal(got, ref), f"NKB {nkb}: {(got != ref).sum(-1).tolist()} blocks differ per row"
-        narrow = _select_triton(mass, row_block, threshold, max_row_block=int(row_block.max()), method=method)
+        narrow = _select_triton(mass, row_block, threshold, max_row_block=int(row_block.max()))
         assert torch.equal(narrow, ref), f"NKB {nkb} (max_row_block)"
 
 
@@ -256,7 +255,6 @@ def test_bisection_selection_on_wide_rows_with_many_ties():
     for threshold in (0.2, 0.5, 0.8, 0.95):
         ref = select_blocks(mass[None], row_block, threshold)
         assert torch.equal(_select_triton(mass[None], row_block, threshold), ref), threshold
-        assert torch.equal(_select_triton(mass[None], row_block, threshold, method="sort"), ref), threshold
 
 
 def test_selection_exact_crossing_and_ties():
@@ -272,7 +270,6 @@ def test_selection_exact_crossing_and_ties():
     }
     for threshold, row in expected.items():
         assert _select_triton(mass, rows, threshold)[0, 0, 0].tolist() == row, threshold
-        assert _select_triton(mass, rows, threshold, method="sort")[0, 0, 0].tolist() == row, threshold
         assert select_blocks(mass, rows, threshold)[0, 0, 0].tolist() == row, threshold
 
 

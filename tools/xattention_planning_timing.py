@@ -129,12 +129,6 @@ def main() -> None:
 
         results["  triton selection only"] = timed(select_only, args.repeats)
 
-        def sort_select_only() -> None:
-            for t0, t1, mass in masses:
-                rows = torch.arange(t0, t1, device="cuda")[None, :] + first
-                select_blocks_triton(mass, rows, 0.9, max_row_block=first + t1 - 1, method="sort")
-
-        results["  triton selection only, bitonic sort"] = timed(sort_select_only, args.repeats)
         with torch.no_grad():
             one = torch.cat(list(m for _, _, m in iter_antidiagonal_mass_triton(
                 q, k, seq, block_size=64, stride=16, chunk_size=16384)), dim=2)
