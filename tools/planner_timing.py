@@ -22,7 +22,10 @@ from pathlib import Path
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from xattention_planning_timing import timed  # tools/ is the script's folder: sys.path[0]
+from xattention_planning_timing import (  # tools/ is the script's folder: sys.path[0]
+    add_shape_arguments,
+    timed,
+)
 
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.bench.inputs import structured_qkv
@@ -32,11 +35,7 @@ from elasticfw.testing.modes import make_mode
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=131072)
-    p.add_argument("--query-heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=5)
+    add_shape_arguments(p)
     p.add_argument("--skip-torch", action="store_true", help="skip the (slow) torch backends")
     p.add_argument("--nsa-tiles", nargs="*", default=[], metavar="BM,BN", help="NSA importance tile overrides")
     p.add_argument("--json", type=Path, default=None)

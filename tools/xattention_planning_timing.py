@@ -39,13 +39,18 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_shape_arguments(p: argparse.ArgumentParser) -> None:
+    """The layer shape and repeats both planning-timing tools take (defaults: Llama-3.1-8B, 128K)."""
     p.add_argument("--tokens", type=int, default=131072)
     p.add_argument("--query-heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_arguments(p)
     p.add_argument("--skip-torch", action="store_true", help="skip the (slow) torch planning backend")
     p.add_argument(
         "--tiles", nargs="*", default=[], metavar="BM,BN,WARPS,STAGES",

@@ -21,7 +21,10 @@ import torch
 
 from elasticfw.errors import BackendUnavailableError
 
-__all__ = ["choose_backend", "interpreting", "triton_unavailable"]
+__all__ = ["choose_backend", "interpreting", "triton_unavailable", "unsupported_tensor"]
+
+#: the dtypes every kernel here takes (16-bit products on tensor cores, float32 in IEEE float32)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def interpreting() -> bool:
@@ -47,6 +50,17 @@ def triton_unavailable(device: torch.device) -> str | None:
     if device.type == "cpu" and interpreting():
         return None
     return f"Triton kernels run on CUDA tensors (or on the CPU under TRITON_INTERPRET=1), not on {device.type}"
+
+
+def unsupported_tensor(x: torch.Tensor, kernel: str) -> str | None:
+    """``None`` when a kernel of this package can take ``x`` (its device, a dtype of
+    :data:`KERNEL_DTYPES`), else why not, naming ``kernel``."""
+    reason = triton_unavailable(x.device)
+    if reason is not None:
+        return reason
+    if x.dtype not in KERNEL_DTYPES:
+        return f"the {kernel} takes float16, bfloat16 or float32 inputs, not {x.dtype}"
+    return None
 
 
 def choose_backend(

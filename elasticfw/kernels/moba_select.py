@@ -60,7 +60,7 @@ import triton.language as tl
 
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
-from elasticfw.kernels import interpreting, triton_unavailable
+from elasticfw.kernels import interpreting, unsupported_tensor
 
 __all__ = ["moba_token_selection_triton", "unsupported"]
 
@@ -73,7 +73,6 @@ ROWS_X_BLOCKS = 8192
 MEANS_PER_CHUNK = 8192
 NUM_WARPS = 8
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _next_pow2(x: int) -> int:
@@ -83,11 +82,9 @@ def _next_pow2(x: int) -> int:
 def unsupported(q: torch.Tensor, *, num_blocks: int) -> str | None:
     """``None`` when the kernel can select for ``q`` (B, Hq, Sq, D) among ``num_blocks`` MoBA
     blocks, else why not (the device, the dtype or the number of blocks)."""
-    reason = triton_unavailable(q.device)
+    reason = unsupported_tensor(q, "Triton MoBA planner")
     if reason is not None:
         return reason
-    if q.dtype not in _DTYPES:
-        return f"the Triton MoBA planner takes float16, bfloat16 or float32 queries, not {q.dtype}"
     if num_blocks > MAX_BLOCKS:
         return f"{num_blocks} MoBA blocks are more than the Triton MoBA planner's {MAX_BLOCKS}"
     return None

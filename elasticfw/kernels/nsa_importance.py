@@ -68,7 +68,7 @@ import triton.language as tl
 from elasticfw.attention.patterns import window_means
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
-from elasticfw.kernels import interpreting, triton_unavailable
+from elasticfw.kernels import interpreting, unsupported_tensor
 
 __all__ = ["nsa_block_importance_triton", "unsupported"]
 
@@ -89,7 +89,6 @@ MAX_BLOCK_N = 256
 #: the largest head dim (padded to a power of two, kept whole in each tile)
 MAX_HEAD_DIM = 256
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
 
 
@@ -107,11 +106,9 @@ def _min_block_n(block_size: int, kernel: int, stride: int) -> int:
 def unsupported(q: torch.Tensor, *, block_size: int, kernel: int, stride: int) -> str | None:
     """``None`` when the kernels can score ``q`` (B, Hq, Sq, D) at this block size, compression
     kernel and stride, else why not (the device, the dtype or the shape)."""
-    reason = triton_unavailable(q.device)
+    reason = unsupported_tensor(q, "Triton NSA scorer")
     if reason is not None:
         return reason
-    if q.dtype not in _DTYPES:
-        return f"the Triton NSA scorer takes float16, bfloat16 or float32 inputs, not {q.dtype}"
     if stride < 1 or kernel < 1 or kernel % stride or block_size % stride:
         return (
             f"compress_kernel {kernel} and block_size {block_size} must be multiples of compress_stride "

@@ -34,7 +34,7 @@ import triton.language as tl
 from elasticfw.attention.layout import RowSelection
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
-from elasticfw.kernels import interpreting, triton_unavailable
+from elasticfw.kernels import interpreting, unsupported_tensor
 
 __all__ = ["row_selection_attention", "tile_groups", "unsupported"]
 
@@ -44,17 +44,14 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 MAX_HEAD_DIM = 256
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
 
 
 def unsupported(q: torch.Tensor) -> str | None:
     """``None`` when the kernel can attend for ``q`` (B, Hq, Sq, D), else why not."""
-    reason = triton_unavailable(q.device)
+    reason = unsupported_tensor(q, "Triton row-selection kernel")
     if reason is not None:
         return reason
-    if q.dtype not in _DTYPES:
-        return f"the Triton row-selection kernel takes float16, bfloat16 or float32 inputs, not {q.dtype}"
     if q.shape[-1] > MAX_HEAD_DIM:
         return f"head_dim {q.shape[-1]} is above the Triton row-selection kernel's {MAX_HEAD_DIM}"
     return None

@@ -59,7 +59,7 @@ import triton.language as tl
 
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
-from elasticfw.kernels import interpreting, triton_unavailable
+from elasticfw.kernels import interpreting, unsupported_tensor
 
 __all__ = [
     "antidiagonal_mass_triton",
@@ -86,7 +86,6 @@ MAX_GROUP = 128
 #: the largest head dim (padded to a power of two, kept whole in each tile)
 MAX_HEAD_DIM = 256
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
 
 
@@ -97,11 +96,9 @@ def _next_pow2(x: int) -> int:
 def unsupported(q: torch.Tensor, *, block_size: int, stride: int) -> str | None:
     """``None`` when the kernels can estimate ``q`` (B, Hq, Sq, D) at this block size and stride,
     else why not (the device, the dtype or the shape)."""
-    reason = triton_unavailable(q.device)
+    reason = unsupported_tensor(q, "Triton estimator")
     if reason is not None:
         return reason
-    if q.dtype not in _DTYPES:
-        return f"the Triton estimator takes float16, bfloat16 or float32 inputs, not {q.dtype}"
     if stride < 1 or block_size % stride:
         return f"block_size {block_size} is not a multiple of stride {stride}"
     group = _next_pow2(block_size // stride)
