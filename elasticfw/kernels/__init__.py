@@ -21,10 +21,15 @@ import torch
 
 from elasticfw.errors import BackendUnavailableError
 
-__all__ = ["choose_backend", "interpreting", "triton_unavailable", "unsupported_tensor"]
+__all__ = ["choose_backend", "interpreting", "next_pow2", "triton_unavailable", "unsupported_tensor"]
 
 #: the dtypes every kernel here takes (16-bit products on tensor cores, float32 in IEEE float32)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def next_pow2(x: int) -> int:
+    """The least power of two at or above ``x`` (1 for ``x <= 1``): kernel tile widths."""
+    return 1 << max(0, (x - 1).bit_length())
 
 
 def interpreting() -> bool:

@@ -60,7 +60,7 @@ import triton.language as tl
 
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
-from elasticfw.kernels import interpreting, unsupported_tensor
+from elasticfw.kernels import interpreting, next_pow2, unsupported_tensor
 
 __all__ = ["moba_token_selection_triton", "unsupported"]
 
@@ -73,10 +73,6 @@ ROWS_X_BLOCKS = 8192
 MEANS_PER_CHUNK = 8192
 NUM_WARPS = 8
 
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
 
 
 def unsupported(q: torch.Tensor, *, num_blocks: int) -> str | None:
@@ -244,19 +240,19 @@ def moba_token_selection_triton(
     kv_len = seq.kv_len.contiguous()
     # layout rows [t0, t1) whose rows' current blocks are all below n_pad share one launch
     top_qbs = int(seq.q_block_start(block_size).max().item()) if nqb > 1 else None
-    d_pad = max(16, _next_pow2(dim))
+    d_pad = max(16, next_pow2(dim))
     t0 = 0
     while t0 < nqb:
         if top_qbs is None:
-            n_pad, t1 = max(16, _next_pow2(nmb)), nqb
+            n_pad, t1 = max(16, next_pow2(nmb)), nqb
         else:
             last_pos = (top_qbs + t0 + 1) * block_size - 1  # the tile's last position, over the batch
-            n_pad = max(16, _next_pow2(min(nmb, last_pos // moba_block_size + 1)))
+            n_pad = max(16, next_pow2(min(nmb, last_pos // moba_block_size + 1)))
             # tile t fits while its last position (top_qbs + t + 1) * bs - 1 is below n_pad blocks
             t1 = nqb if n_pad >= nmb else min(nqb, n_pad * moba_block_size // block_size - top_qbs)
         rows = max(16, ROWS_X_BLOCKS // n_pad)  # row slots per step
-        sub = min(_next_pow2(block_size), rows)  # rows of each tile per step
-        tiles = max(16 // sub, 1, min(rows // sub, _next_pow2(t1 - t0)))  # tiles per program
+        sub = min(next_pow2(block_size), rows)  # rows of each tile per step
+        tiles = max(16 // sub, 1, min(rows // sub, next_pow2(t1 - t0)))  # tiles per program
         block_d = min(d_pad, max(16, MEANS_PER_CHUNK // n_pad), 64)
         _moba_select_kernel[(triton.cdiv(t1 - t0, tiles), hq, batch)](
             q, means, q_start, kv_len, selected, union, common,

@@ -68,7 +68,7 @@ import triton.language as tl
 from elasticfw.attention.patterns import window_means
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
-from elasticfw.kernels import interpreting, unsupported_tensor
+from elasticfw.kernels import interpreting, next_pow2, unsupported_tensor
 
 __all__ = ["nsa_block_importance_triton", "unsupported"]
 
@@ -92,15 +92,11 @@ MAX_HEAD_DIM = 256
 _LOG2E = 1.4426950408889634
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
 def _min_block_n(block_size: int, kernel: int, stride: int) -> int:
     """The fewest windows per step: whole key blocks, enough of them to hold a window's spill."""
     per_block = block_size // stride
     spill = (per_block - 1 + kernel // stride - 1) // per_block  # blocks past its first a window reaches
-    return max(16, _next_pow2(per_block) * _next_pow2(spill + 1))
+    return max(16, next_pow2(per_block) * next_pow2(spill + 1))
 
 
 def unsupported(q: torch.Tensor, *, block_size: int, kernel: int, stride: int) -> str | None:
@@ -114,7 +110,7 @@ def unsupported(q: torch.Tensor, *, block_size: int, kernel: int, stride: int) -
             f"compress_kernel {kernel} and block_size {block_size} must be multiples of compress_stride "
             f"{stride}"
         )
-    if _next_pow2(block_size) > MAX_BLOCK:
+    if next_pow2(block_size) > MAX_BLOCK:
         return f"block_size {block_size} is above the Triton NSA scorer's {MAX_BLOCK}"
     if _min_block_n(block_size, kernel, stride) > MAX_BLOCK_N:
         return (
@@ -132,7 +128,7 @@ def _tiles(
 ) -> tuple[int, int, int, int, int]:
     """(heads per chunk HP, tiles per program RB, rows BLOCK_M, windows BLOCK_N, stages): the
     defaults shrunk to fit :data:`SMEM_BUDGET`, never below one whole tile or the spill floor."""
-    bs_pad = _next_pow2(block_size)
+    bs_pad = next_pow2(block_size)
     n_floor = _min_block_n(block_size, kernel, stride)
     rows = max(block_m or BLOCK_M, bs_pad, 16)
     bn = max(block_n or BLOCK_N, n_floor)
@@ -150,7 +146,7 @@ def _tiles(
     for name, value in (("block_m", rows), ("block_n", bn)):
         if value & (value - 1):
             raise ValueError(f"Triton NSA importance: {name} must be a power of two, got {value}")
-    hp = min(_next_pow2(group), rows // bs_pad)
+    hp = min(next_pow2(group), rows // bs_pad)
     rb = rows // (hp * bs_pad)
     return hp, rb, hp * rb * bs_pad, bn, stages
 
@@ -463,7 +459,7 @@ def nsa_block_importance_triton(
     if nqb == 0 or num_windows == 0 or batch == 0:
         return out
     c_terms = _split(c.float(), q.dtype, terms)  # (terms, B, Hkv, M, D)
-    d_pad = max(16, _next_pow2(dim))
+    d_pad = max(16, next_pow2(dim))
     hp, rb, bm, bn, stages = _tiles(
         group, bs, kernel, stride, d_pad, q.element_size(), terms, block_m, block_n
     )
@@ -477,8 +473,8 @@ def nsa_block_importance_triton(
     qk_scale = (scale if scale is not None else dim**-0.5) * _LOG2E
     upcast = interpreting() and q.dtype == torch.bfloat16
     common = dict(
-        BS=bs, BS_PAD=_next_pow2(bs), RB=rb, HP=hp, HEAD_CHUNKS=head_chunks,
-        KERNEL=kernel, STRIDE=stride, PER_BLOCK=bs // stride, GROUP_PAD=_next_pow2(bs // stride),
+        BS=bs, BS_PAD=next_pow2(bs), RB=rb, HP=hp, HEAD_CHUNKS=head_chunks,
+        KERNEL=kernel, STRIDE=stride, PER_BLOCK=bs // stride, GROUP_PAD=next_pow2(bs // stride),
         SPLIT=terms, HEAD_DIM=dim, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn,
         IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast,
         num_warps=NUM_WARPS, num_stages=stages,

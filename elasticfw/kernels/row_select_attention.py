@@ -34,7 +34,7 @@ import triton.language as tl
 from elasticfw.attention.layout import RowSelection
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
-from elasticfw.kernels import interpreting, unsupported_tensor
+from elasticfw.kernels import interpreting, next_pow2, unsupported_tensor
 
 __all__ = ["row_selection_attention", "tile_groups", "unsupported"]
 
@@ -208,7 +208,7 @@ def row_selection_attention(
             raise ValueError(f"row_selection_attention: keep_heads must be (1 or {batch}, {hq}), got "
                              f"{tuple(keep_heads.shape)}")
         keep = keep_heads.to(torch.uint8).expand(batch, hq)
-    d_pad = max(16, 1 << (dim - 1).bit_length())
+    d_pad = max(16, next_pow2(dim))
     grid = (triton.cdiv(q_len, BLOCK_M), hq, batch)
     _row_select_kernel[grid](
         q, k, v, sel_u8, lists, counts, keep, seq.q_start.contiguous(), seq.kv_len.contiguous(), out, lse,

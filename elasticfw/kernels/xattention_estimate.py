@@ -59,7 +59,7 @@ import triton.language as tl
 
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
-from elasticfw.kernels import interpreting, unsupported_tensor
+from elasticfw.kernels import interpreting, next_pow2, unsupported_tensor
 
 __all__ = [
     "antidiagonal_mass_triton",
@@ -89,10 +89,6 @@ MAX_HEAD_DIM = 256
 _LOG2E = 1.4426950408889634
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
 def unsupported(q: torch.Tensor, *, block_size: int, stride: int) -> str | None:
     """``None`` when the kernels can estimate ``q`` (B, Hq, Sq, D) at this block size and stride,
     else why not (the device, the dtype or the shape)."""
@@ -101,7 +97,7 @@ def unsupported(q: torch.Tensor, *, block_size: int, stride: int) -> str | None:
         return reason
     if stride < 1 or block_size % stride:
         return f"block_size {block_size} is not a multiple of stride {stride}"
-    group = _next_pow2(block_size // stride)
+    group = next_pow2(block_size // stride)
     if group > MAX_GROUP:
         return (
             f"block_size / stride = {block_size // stride} strided rows per block is above the Triton "
@@ -431,8 +427,8 @@ def iter_antidiagonal_mass_triton(
     batch, hq, q_len, dim = q.shape
     hkv = k.shape[1]
     group = bs // s
-    group_pad = _next_pow2(group)
-    d_pad = max(16, _next_pow2(dim))
+    group_pad = next_pow2(group)
+    d_pad = max(16, next_pow2(dim))
     nqb, nkb = seq.num_query_blocks(bs), seq.num_key_blocks(bs)
     if nqb == 0:
         return

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from elasticfw.errors import BackendUnavailableError
-from elasticfw.kernels import triton_unavailable
+from elasticfw.kernels import next_pow2, triton_unavailable
 
 __all__ = ["select_blocks_triton"]
 
@@ -44,10 +44,6 @@ MAX_ROWS = 32
 NUM_WARPS = 4
 #: bisection steps over the float32 bit patterns of non-negative masses (below 2**31)
 BISECT_STEPS = 31
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
 
 
 @triton.jit
@@ -144,7 +140,7 @@ def select_blocks_triton(
         out[..., width:] = False
     if batch * heads * rows == 0:
         return out
-    n_pad = max(16, _next_pow2(width))
+    n_pad = max(16, next_pow2(width))
     rows_per_program = max(1, min(MAX_ROWS, ELEMENTS_PER_PROGRAM // n_pad))
     grid = (triton.cdiv(rows, rows_per_program), heads, batch)
     _select_bisect_kernel[grid](
