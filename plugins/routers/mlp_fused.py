@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from elasticfw.errors import UnsupportedInputError
-from elasticfw.kernels import triton_unavailable
+from elasticfw.kernels import next_pow2, triton_unavailable
 
 __all__ = ["fused_decide", "fused_mlp", "unsupported"]
 
@@ -169,7 +169,7 @@ def _launch(params: Sequence[torch.Tensor], src: torch.Tensor, sk: int, strides:
     logits = torch.empty((batch, heads, 2), device=src.device, dtype=wdtype)
     if batch * heads == 0:
         return hard, prob, logits
-    block_d = max(16, 1 << (dim - 1).bit_length())  # the next power of 2
+    block_d = max(16, next_pow2(dim))
     block = max(8, TILE // block_d)
     launch = mlp_router_kernel[(batch * heads,)]
     args = (src, sk, *strides, heads, *params, hard, prob, logits)
