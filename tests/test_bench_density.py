@@ -31,17 +31,19 @@ def test_random_layout_keeps_the_asked_share_of_each_rows_causal_blocks(share):
 def test_density_bench_runs_on_cpu_and_reads_its_criteria(tmp_path):
     out = tmp_path / "d.json"
     args = ["--device", "cpu", "--seq", "256", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "16",
-            "--dtype", "fp32", "--block-size", "32", "--densities", "1", "0.5", "--tiles", "32,32,4,1", "--out", str(out)]
+            "--dtype", "fp32", "--block-size", "32", "--densities", "1", "0.5", "--tiles", "32,32,4,1", "--triton", "32,32,4,1", "--out", str(out)]
     assert density.main(args) == 0
     data = json.loads(out.read_text())
     rows = {r["name"]: r for r in data["results"]}
-    assert set(rows) == {"sdpa_math", "flex@1", "flex@0.5", "flex[32,32,4,1]@1", "flex[32,32,4,1]@0.5"}
-    for label in ("flex", "flex[32,32,4,1]"):
+    configs = ("flex", "flex[32,32,4,1]", "triton[32,32,4,1]")
+    assert set(rows) == {"sdpa_math", *(f"{c}@{d}" for c in configs for d in ("1", "0.5"))}
+    assert all(r["error"] is None for r in rows.values())
+    for label in configs:
         full, half = rows[f"{label}@1"], rows[f"{label}@0.5"]
         assert full["realised_density"] == 1.0 and 0.45 < half["realised_density"] < 0.6
         assert half["ratio_vs_full"] == pytest.approx(half["ms"] / full["ms"])
         assert full["ratio_vs_cudnn"] == pytest.approx(full["ms"] / rows["sdpa_math"]["ms"])
-    best = min(("flex", "flex[32,32,4,1]"), key=lambda c: rows[f"{c}@1"]["ms"])
+    best = min(configs, key=lambda c: rows[f"{c}@1"]["ms"])
     expected = [rows[f"{best}@0.5"]["ms"] / rows[f"{best}@1"]["ms"], rows[f"{best}@1"]["ms"] / rows["sdpa_math"]["ms"]]
     assert [c["config"] for c in data["criteria"]] == [best, best]
     assert [c["value"] for c in data["criteria"]] == pytest.approx(expected)

@@ -99,7 +99,7 @@ def gpu(args: argparse.Namespace) -> int:
         "decode": [py, "-m", "elasticfw.bench.decode_memory", "--prefill-executor", "split", "--decode-executor", "split",
          "--out", str(out / "decode.json")],
         "gpu-tests": [py, "-m", "pytest", "tests/test_gpu.py", "tests/test_router_fused.py", "tests/test_xattention_triton.py",
-         "tests/test_moba_triton.py", "tests/test_nsa_triton.py", "tests/test_row_select_attention.py", "-m", "gpu", "-q",
+         "tests/test_moba_triton.py", "tests/test_nsa_triton.py", "tests/test_block_sparse_gpu.py", "-m", "gpu", "-q",
          "-p", "no:cacheprovider", "--junitxml", str(out / "gpu_tests.xml")],
         "density": [py, "-m", "elasticfw.bench.density", "--seq", "131072", "--tiles", "128,128,8,2", "128,64,4,3",
          "--overwrite", "--out", str(out / "density.json")],

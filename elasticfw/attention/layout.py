@@ -31,17 +31,35 @@ TokenMask = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], t
 
 @dataclass(frozen=True)
 class RowSelection:
-    """A token mask of the form "query row ``i`` sees the key groups it selected", kept as data so
-    that a kernel can run it without evaluating the mask per pair (per-token MoBA, per-token NSA).
+    """A token mask of the form "query row ``i`` sees the key groups it selected (and a sliding
+    window)", kept as data so that a kernel can run it without evaluating the mask per pair
+    (per-token MoBA, NSA per token or per query block).
 
-    ``selected`` is (B or 1, H, Sq, G) bool: row ``i`` (position ``seq.q_start[b] + i``) of head
-    ``h`` sees the keys ``[n * group_size, (n + 1) * group_size)`` of every group ``n`` it selects,
-    causally. ``H`` divides the layout's query heads (query head ``h`` reads row ``h // (Hq / H)``,
-    as :func:`expand_heads` maps a token mask). The layout's ``token_mask`` computes the same pairs.
+    ``selected`` is (B or 1, H, R, G) bool over flag rows of ``row_block`` positions: the query at
+    position ``p`` (row ``i = p - seq.q_start[b]``) reads flag row ``p // row_block - q_start //
+    row_block`` (row ``i`` itself for ``row_block = 1``; the layout's query-block row for
+    ``row_block = block_size``) and sees, causally, the keys ``[n * group_size, (n + 1) *
+    group_size)`` of every group ``n`` it selects, and, when ``window > 0``, every key ``j`` with
+    ``p - window < j``. ``H`` divides the layout's query heads (query head ``h`` reads table head
+    ``h // (Hq / H)``, as :func:`expand_heads` maps a token mask). The layout's ``token_mask``
+    computes the same pairs.
     """
 
     selected: torch.Tensor
     group_size: int
+    row_block: int = 1
+    window: int = 0
+
+    def __post_init__(self) -> None:
+        if self.selected.dim() != 4:
+            raise UnsupportedInputError(
+                f"RowSelection.selected must be 4-D (batch, heads, rows, groups), got {tuple(self.selected.shape)}"
+            )
+        if self.group_size <= 0 or self.row_block <= 0 or self.window < 0:
+            raise UnsupportedInputError(
+                f"RowSelection: group_size and row_block must be positive and window >= 0, got "
+                f"{self.group_size}, {self.row_block}, {self.window}"
+            )
 
 
 @dataclass(frozen=True)

@@ -163,6 +163,15 @@ def _flex_config(args: argparse.Namespace) -> dict[str, Any]:
     return config
 
 
+def _inner_flex(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``{"flex": ...}`` for an executor whose config nests flex options (split's sparse path), so
+    that ``--flex-set`` reaches it too; ``{}`` without ``--flex-set`` or such a field."""
+    fields = get_registry().entry("executor", name).config_class.model_fields  # type: ignore[union-attr]
+    if not getattr(args, "flex_set", None) or "flex" not in fields:
+        return {}
+    return {"flex": {k: v for k, v in _flex_config(args).items() if k != "implementation"}}
+
+
 def _modes(args: argparse.Namespace) -> list[AttentionMode]:
     registry = get_registry()
     names = registry.names("sparse_mode") if not args.modes else args.modes
@@ -430,7 +439,7 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
 
     # -- other executors (e.g. split): every mode alone, and the hybrid through attend_routed ------
     for ex_name in [n for n in args.executors if n != "flex"]:
-        other = _executor(ex_name)
+        other = _executor(ex_name, **_inner_flex(ex_name, args))
         for name, (_mode, layout) in layouts.items():
             def alone(layout: BlockLayout = layout, other: Any = other) -> Any:
                 return other.attend(q0, k0, v0, layout, seq, scale=scale, need_lse=False)
@@ -493,13 +502,15 @@ def correctness(N: int, args: argparse.Namespace, rec: Recorder, device: torch.d
                 row["config"] = mode.config.model_dump()
                 row["esr_mean"] = float(esr(layout, seq, hq).mean())  # a dense layout checks little
                 results = []
+                backward = not args.no_backward  # --no-backward: the forward only (inference kernels)
                 for ex, cast in ((executor, dtype), (reference, torch.float32)):
-                    q, k, v = (t.detach().to(cast).requires_grad_(True) for t in (q0, k0, v0))
-                    res = ex.attend(q, k, v, layout, seq, scale=D**-0.5)
-                    res.out.backward(dout.to(cast))
-                    results.append(
-                        (res.out.detach().float(), res.lse.detach(), [t.grad.float() for t in (q, k, v)])
-                    )
+                    q, k, v = (t.detach().to(cast).requires_grad_(backward) for t in (q0, k0, v0))
+                    with torch.set_grad_enabled(backward):
+                        res = ex.attend(q, k, v, layout, seq, scale=D**-0.5)
+                    if backward:
+                        res.out.backward(dout.to(cast))
+                    grads = [t.grad.float() for t in (q, k, v)] if backward else []
+                    results.append((res.out.detach().float(), res.lse.detach(), grads))
                 (out, lse, grads), (rout, rlse, rgrads) = results
                 rows = seq.query_valid()[:, None, :]
                 orows = rows[..., None].expand_as(out)
@@ -508,7 +519,7 @@ def correctness(N: int, args: argparse.Namespace, rec: Recorder, device: torch.d
                 row["lse_inf_mismatch"] = int((torch.isinf(a) != torch.isinf(b)).sum())
                 fin = torch.isfinite(a) & torch.isfinite(b)
                 row["lse_max_abs"] = float((a[fin] - b[fin]).abs().max()) if bool(fin.any()) else 0.0
-                row["grad_rel_rms"] = {n: rel_rms(x, y) for n, x, y in zip("qkv", grads, rgrads)}
+                row["grad_rel_rms"] = {n: rel_rms(x, y) for n, x, y in zip("qkv", grads, rgrads)}  # {}: forward only
                 row["tolerance"] = {"out": tol, "grad": 3 * tol, "lse": lse_tol}
                 bad = []
                 if not row["out_rel_rms"] < tol:
@@ -536,7 +547,7 @@ def routed_correctness(name: str, N: int, args: argparse.Namespace, rec: Recorde
     dtype = DTYPES[args.dtype]
     hq, hkv, D = args.q_heads, args.kv_heads, args.head_dim
     tol = TOLERANCE[dtype]
-    executor, reference = _executor(name), _executor("reference")
+    executor, reference = _executor(name, **_inner_flex(name, args)), _executor("reference")
     seq = SeqInfo.dense(1, N, N, device=device)
     g = torch.Generator(device="cpu").manual_seed(2)
     q0, k0, v0, dout = (torch.randn(1, h, N, D, generator=g).to(device, dtype) for h in (hq, hkv, hkv, hq))
@@ -557,11 +568,14 @@ def routed_correctness(name: str, N: int, args: argparse.Namespace, rec: Recorde
 
             def body(row, call=call):
                 results = []
+                backward = not args.no_backward  # --no-backward: the forward only (inference kernels)
                 for ex, cast in ((executor, dtype), (reference, torch.float32)):
-                    q, k, v = (t.detach().to(cast).requires_grad_(True) for t in (q0, k0, v0))
-                    out = call(ex, q, k, v).out
-                    out.backward(dout.to(cast))
-                    results.append((out.detach().float(), [t.grad.float() for t in (q, k, v)]))
+                    q, k, v = (t.detach().to(cast).requires_grad_(backward) for t in (q0, k0, v0))
+                    with torch.set_grad_enabled(backward):
+                        out = call(ex, q, k, v).out
+                    if backward:
+                        out.backward(dout.to(cast))
+                    results.append((out.detach().float(), [t.grad.float() for t in (q, k, v)] if backward else []))
                 (out, grads), (rout, rgrads) = results
                 row["out_rel_rms"] = rel_rms(out, rout)
                 row["grad_rel_rms"] = {n: rel_rms(x, y) for n, x, y in zip("qkv", grads, rgrads)}
@@ -662,8 +676,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--flex-set",
         action="append",
         metavar="FIELD=VALUE",
-        help="a flex executor config field for the convert:/flex: entries, VALUE as YAML, e.g. --flex-set "
-        "kernel_block_size=64 --flex-set 'kernel_options={BLOCK_M: 64, BLOCK_N: 64}' (repeatable)",
+        help="a flex executor config field for the convert:/flex: entries (and the flex options of executors "
+        "that nest them, e.g. split's sparse path), VALUE as YAML, e.g. --flex-set kernel_block_size=64 "
+        "--flex-set 'kernel_options={BLOCK_M: 64, BLOCK_N: 64}' --flex-set sparse_kernel=triton (repeatable)",
     )
     p.add_argument(
         "--executors",
@@ -681,7 +696,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--msr", type=float, default=0.875, help="sparse share of KV heads in the hybrid entries")
     p.add_argument("--no-hybrid", action="store_true")
-    p.add_argument("--no-backward", action="store_true")
+    p.add_argument(
+        "--no-backward", action="store_true",
+        help="time forwards only, and check the forward only (outputs and lse, no gradients)",
+    )
     p.add_argument(
         "--layout-memory", type=int, default=None, metavar="N", help="also measure layout memory at N tokens"
     )

@@ -15,7 +15,10 @@ Per sequence length S (B = 1, Llama-3.1-8B attention shape by default, bf16, Gau
   ``dense_causal``, so even at density 1 it runs the block-sparse path rather than a dense one.
   ``realised_density`` is the kept share of the causal blocks.
 * with ``--tiles BM,BN,WARPS,STAGES ...``, the same per FlexAttention tile configuration
-  (``kernel_options``), named ``flex[BM,BN,WARPS,STAGES]@<density>``.
+  (``kernel_options``), named ``flex[BM,BN,WARPS,STAGES]@<density>``;
+* with ``--triton BM,BN,WARPS,STAGES ...``, the same through the flex executor's Triton
+  block-sparse kernel (``sparse_kernel: triton``, ``sparse_kernel_tiles``), named
+  ``triton[BM,BN,WARPS,STAGES]@<density>``.
 
 Each row holds the median time (``triton.testing.do_bench`` on CUDA), ``ratio_vs_full`` (its own
 time at density 1 of the same configuration), ``ratio_vs_cudnn``, and the computed blocks'
@@ -99,6 +102,14 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
             raise SystemExit(f"--tiles {spec!r}: expected BM,BN,WARPS,STAGES, e.g. 128,64,4,3") from None
         options = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
         out.append((f"flex[{spec}]", {"kernel_options": options}))
+    for spec in args.triton or []:
+        try:
+            tiles = [int(x) for x in spec.split(",")]
+        except ValueError:
+            raise SystemExit(f"--triton {spec!r}: expected BM,BN,WARPS,STAGES, e.g. 128,64,8,3") from None
+        if len(tiles) != 4:
+            raise SystemExit(f"--triton {spec!r}: expected BM,BN,WARPS,STAGES, e.g. 128,64,8,3")
+        out.append((f"triton[{spec}]", {"sparse_kernel": "triton", "sparse_kernel_tiles": tiles}))
     return out
 
 
@@ -209,6 +220,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--implementation", default="auto", help="flex executor implementation")
     p.add_argument("--tiles", nargs="*", default=[], metavar="BM,BN,WARPS,STAGES",
                    help="also time these FlexAttention kernel_options")
+    p.add_argument("--triton", nargs="*", default=[], metavar="BM,BN,WARPS,STAGES",
+                   help="also time the flex executor's Triton block-sparse kernel (sparse_kernel: triton) with "
+                   "these launch configurations (sparse_kernel_tiles), named triton[BM,BN,WARPS,STAGES]")
     p.add_argument("--warmup-ms", type=int, default=50)
     p.add_argument("--rep-ms", type=int, default=300)
     p.add_argument("--cpu-warmup", type=int, default=0)

@@ -50,7 +50,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from elasticfw.attention.executor import Executor, ExecutorConfig
 from elasticfw.attention.flex_mask import (
@@ -106,17 +106,35 @@ class FlexConfig(ExecutorConfig):
     recompile_limit: int = Field(
         64, ge=1, description="Dynamo recompile limit while this executor runs; exceeding it is an error."
     )
-    row_selection_kernel: Literal["flex", "auto", "triton"] = Field(
+    sparse_kernel: Literal["flex", "auto", "triton"] = Field(
         "flex",
-        description="Layouts that carry a row selection (per-token MoBA): `flex` runs them through "
-        "FlexAttention with their token mask; `triton` through the row-selection Triton kernel "
-        "(elasticfw.kernels.row_select_attention: each query tile visits only the key groups its rows "
-        "selected; forward only, an error where it cannot run); `auto` the kernel on CUDA for calls "
-        "without autograd, FlexAttention otherwise.",
+        description="Layouts the Triton block-sparse kernel takes (elasticfw.kernels.block_sparse_attention: "
+        "blocks without a token mask, and row selections such as per-token MoBA; each query tile visits only "
+        "the key chunks its rows select): `flex` runs every layout through FlexAttention; `triton` runs those "
+        "through the kernel (forward only, an error where it cannot run) and the rest through FlexAttention; "
+        "`auto` the kernel on CUDA for calls without autograd, FlexAttention otherwise.",
+    )
+    sparse_kernel_tiles: tuple[int, int, int, int] | None = Field(
+        None,
+        description="The Triton block-sparse kernel's launch configuration [BLOCK_M, BLOCK_N, num_warps, "
+        "num_stages] (BLOCK_M, BLOCK_N powers of two >= 16; BLOCK_N is lowered to divide the key group size); "
+        "null: the kernel's defaults (elasticfw.kernels.block_sparse_attention.DEFAULT_TILES).",
     )
     emulation_query_chunk: int = Field(
         512, ge=1, description="Emulated path: padded query rows processed at once (memory chunk x S)."
     )
+
+    @field_validator("sparse_kernel_tiles")
+    @classmethod
+    def _tiles(cls, value: tuple[int, int, int, int] | None) -> tuple[int, int, int, int] | None:
+        if value is not None:
+            bm, bn, warps, stages = value
+            for name, x in (("BLOCK_M", bm), ("BLOCK_N", bn)):
+                if x < 16 or x & (x - 1):
+                    raise ValueError(f"sparse_kernel_tiles: {name} must be a power of two >= 16, got {x}")
+            if warps < 1 or stages < 1:
+                raise ValueError(f"sparse_kernel_tiles: num_warps and num_stages must be positive, got {warps}, {stages}")
+        return value
 
     def check_layout_block_size(self, block_size: int) -> None:
         kb = self.kernel_block_size
@@ -269,13 +287,15 @@ class FlexExecutor(Executor):
         shapes and ``keep_key``: a hashable host-side description of ``keep_heads`` that the caller
         vouches for (without it, a call with ``keep_heads`` is not cached).
 
-        A layout with a :class:`~elasticfw.attention.layout.RowSelection` runs through the
-        row-selection kernel instead when ``row_selection_kernel`` says so."""
+        A layout the Triton block-sparse kernel takes (no token mask, or a
+        :class:`~elasticfw.attention.layout.RowSelection`) runs through it instead when
+        ``sparse_kernel`` says so."""
         cfg = self.config
-        if layout.row_selection is not None and self._row_selection_kernel(q, k, v):
-            from elasticfw.kernels.row_select_attention import row_selection_attention
+        if self._sparse_kernel(q, k, v, layout):
+            from elasticfw.kernels.block_sparse_attention import DEFAULT_TILES, Tiles, block_layout_attention
 
-            out, lse = row_selection_attention(q, k, v, layout.row_selection, seq, scale=scale, keep_heads=keep_heads)
+            tiles = DEFAULT_TILES if cfg.sparse_kernel_tiles is None else Tiles(*cfg.sparse_kernel_tiles)
+            out, lse = block_layout_attention(q, k, v, layout, seq, scale=scale, keep_heads=keep_heads, tiles=tiles)
             return AttentionOutput(out, lse)
         impl = self.implementation(q.device)
         kb = self.kernel_block_size(layout.block_size, impl, q.device)
@@ -330,27 +350,27 @@ class FlexExecutor(Executor):
             out, lse = self._run_compiled(qp, kp, vp, fm, scale)
         return AttentionOutput(fm.unpad_rows(out), fm.unpad_rows(lse).float())
 
-    def _row_selection_kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Whether a row-selection layout runs through the Triton kernel (``row_selection_kernel``)."""
-        choice = self.config.row_selection_kernel
+    def _sparse_kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout) -> bool:
+        """Whether ``layout`` runs through the Triton block-sparse kernel (``sparse_kernel``)."""
+        choice = self.config.sparse_kernel
         if choice == "flex":
             return False
-        recording = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        reason = "it has no backward (autograd is recording)" if recording else triton_unavailable(q.device)
-        if reason is None:
-            try:
-                from elasticfw.kernels.row_select_attention import unsupported
-            except ImportError as exc:  # an installed but broken triton
-                reason = f"the Triton kernel failed to import ({exc})"
-            else:
-                reason = unsupported(q)
+        try:
+            from elasticfw.kernels.block_sparse_attention import unsupported, unsupported_layout
+        except ImportError as exc:  # triton not installed, or installed but broken
+            reason: str | None = triton_unavailable(q.device) or f"the Triton kernel failed to import ({exc})"
+        else:
+            if unsupported_layout(layout) is not None:
+                return False  # a token mask: FlexAttention's, whatever the choice
+            recording = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+            reason = "it has no backward (autograd is recording)" if recording else unsupported(q)
         if choice == "auto":
             return reason is None and q.device.type == "cuda"
         if reason is not None:
             raise BackendUnavailableError(
-                f"flex executor: row_selection_kernel = 'triton' cannot run here: {reason} (set "
-                "elastic.executor.row_selection_kernel, or elastic.executor.flex.row_selection_kernel under "
-                "split, to 'auto' or 'flex')"
+                f"flex executor: sparse_kernel = 'triton' cannot run here: {reason} (set "
+                "elastic.executor.sparse_kernel, or elastic.executor.flex.sparse_kernel under split, to 'auto' "
+                "or 'flex')"
             )
         return True
 

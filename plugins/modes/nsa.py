@@ -87,7 +87,7 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from elasticfw.attention.layout import BlockLayout, block_grid
+from elasticfw.attention.layout import BlockLayout, RowSelection, block_grid
 from elasticfw.attention.mode import AttentionMode, AttentionOutput, ModeConfig
 from elasticfw.attention.pattern_layouts import tile_union
 from elasticfw.attention.patterns import topk_select, window_means
@@ -352,7 +352,8 @@ class NSAAttention(AttentionMode):
             j = torch.div(kv_pos, bs, rounding_mode="floor").clamp(0, nkb - 1)
             return (kv_pos > q_pos - window) | selected[b, h.clamp(0, heads - 1), t, j]
 
-        return BlockLayout(blocks, bs, token_mask, partial)
+        selection = RowSelection(selected, bs, row_block=bs, window=window)
+        return BlockLayout(blocks, bs, token_mask, partial, row_selection=selection)
 
     def _token_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, scale: float | None) -> BlockLayout:
         cfg = self.config
@@ -376,7 +377,7 @@ class NSAAttention(AttentionMode):
             chosen = selected[b, h.clamp(0, heads - 1), row, j]
             return (kv_pos > q_pos - window) | chosen if window > 0 else chosen
 
-        return BlockLayout(blocks, bs, token_mask, partial)
+        return BlockLayout(blocks, bs, token_mask, partial, row_selection=RowSelection(selected, bs, window=window))
 
     # -- compression branch -----------------------------------------------------------------
     def side_branch(

@@ -1,0 +1,406 @@
+"""Block-sparse attention (Triton) over block layouts and per-row key-group selections.
+
+One kernel computes the sparse attention of a :class:`~elasticfw.attention.layout.RowSelection`
+exactly, the causal mask and the key padding included, in float32 with the output in the input
+dtype and the natural-log ``lse`` (a row that sees no key: zero output, ``lse = -inf``). A
+selection is a flag table ``selected`` (B or 1, H, R, G): the query at position ``p`` (row ``i``
+of sample ``b``) reads flag row ``p // row_block - q_start // row_block`` and sees key ``j`` iff
+``j <= p``, ``j < kv_len`` and (its row selects ``j``'s group of ``group_size`` keys, or
+``p - window < j`` when ``window > 0``). Query head ``h`` reads table head ``h // (Hq / H)``, keys
+and values head ``h // (Hq / Hkv)`` (GQA without copying K/V). That covers:
+
+* per-token MoBA (``row_block = 1``, groups of the MoBA block size) and NSA per token or per query
+  block with its sliding window, whose layouts carry their selection as data;
+* :func:`block_layout_attention`: any :class:`~elasticfw.attention.layout.BlockLayout` without a
+  token mask (XAttention, MoBA per query block, block streaming, full), as the selection
+  ``(blocks, block_size, row_block=block_size)``.
+
+* **Work lists** (torch, :func:`work_lists`). Per (sample, table head, tile of ``BLOCK_M`` query
+  rows), the key chunks of ``BLOCK_N`` keys the tile must visit, in two lists: *clean* chunks,
+  which every row of the tile sees whole (selected by every row or inside every row's window,
+  wholly at or before the tile's first position and below ``kv_len``: no mask at all), and
+  *masked* chunks, the rest of what the tile's rows see, up to its causal limit and ``kv_len``
+  (masked by the rows' flags and window, causality and ``kv_len``). So a tile computes only what
+  its rows select, and evaluates no mask function. Lists are compacted by a cumulative sum and a
+  scatter, not sorted.
+* **Kernel.** One program per (tile, query head, sample), FlashAttention-style: an online
+  softmax in base 2 over the clean list, then the masked list; 16-bit ``q . k`` and ``p . v`` on
+  tensor cores with float32 accumulation (float32 inputs in IEEE float32).
+
+Forward only (no autograd): the flex executor uses it for inference calls with ``sparse_kernel``
+``triton`` (or ``auto`` on CUDA), FlexAttention otherwise. Memory beyond the inputs and the
+outputs: the two lists, ``2 * 4 * B * H * (Sq / BLOCK_M) * (Sk / BLOCK_N)`` bytes (about 0.5 GB at
+128K tokens for 32 table heads, 128 x 64 tiles), and their construction's boolean temporaries.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from elasticfw.attention.layout import BlockLayout, RowSelection
+from elasticfw.attention.seq import SeqInfo
+from elasticfw.errors import BackendUnavailableError
+from elasticfw.kernels import interpreting, next_pow2, unsupported_tensor
+
+__all__ = [
+    "Tiles",
+    "block_layout_attention",
+    "layout_selection",
+    "row_selection_attention",
+    "unsupported",
+    "unsupported_layout",
+    "work_lists",
+]
+
+MAX_HEAD_DIM = 256
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """The kernel's launch configuration: ``block_m`` query rows per program, key chunks of up to
+    ``block_n`` keys (lowered to the largest power of two dividing the group size), warps, stages."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"Tiles.{name} must be a power of two >= 16, got {value}")
+        if self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(f"Tiles: num_warps and num_stages must be positive, got {self.num_warps}, {self.num_stages}")
+
+
+#: the defaults: FlashAttention-2's Hopper-friendly forward tiles for head dim 64-128
+DEFAULT_TILES = Tiles()
+
+
+def unsupported(q: torch.Tensor) -> str | None:
+    """``None`` when the kernel can attend for ``q`` (B, Hq, Sq, D), else why not."""
+    reason = unsupported_tensor(q, "Triton block-sparse kernel")
+    if reason is not None:
+        return reason
+    if q.shape[-1] > MAX_HEAD_DIM:
+        return f"head_dim {q.shape[-1]} is above the Triton block-sparse kernel's {MAX_HEAD_DIM}"
+    return None
+
+
+def _chunk_size(group_size: int, block_n: int) -> int | None:
+    """The key chunk: the largest power of two <= ``block_n`` dividing ``group_size`` (>= 16), or None."""
+    n = block_n
+    while n >= 16:
+        if group_size % n == 0:
+            return n
+        n //= 2
+    return None
+
+
+def layout_selection(layout: BlockLayout) -> RowSelection | None:
+    """The selection the kernel computes ``layout`` as: its row selection, or its blocks when it has
+    no token mask; ``None`` for another token mask."""
+    if layout.row_selection is not None:
+        return layout.row_selection
+    if layout.token_mask is not None:
+        return None
+    return RowSelection(layout.blocks, layout.block_size, row_block=layout.block_size)
+
+
+def unsupported_layout(layout: BlockLayout, tiles: Tiles = DEFAULT_TILES) -> str | None:
+    """``None`` when :func:`block_layout_attention` computes ``layout`` exactly, else why not."""
+    selection = layout_selection(layout)
+    if selection is None:
+        return "the layout has a token mask (pairs inside blocks) that is not a row selection"
+    if _chunk_size(selection.group_size, tiles.block_n) is None:
+        return f"key group size {selection.group_size} is not a multiple of 16"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# work lists
+# ---------------------------------------------------------------------------------------------
+
+
+def _compact(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lists, counts) of a (..., N) bool: the indices of the set entries first, ascending (int32)."""
+    n = flags.shape[-1]
+    counts = flags.sum(-1, dtype=torch.int32)
+    slot = torch.where(flags, flags.cumsum(-1, dtype=torch.int32) - 1, n)  # unset entries to a spare slot
+    lists = torch.zeros(*flags.shape[:-1], n + 1, dtype=torch.int32, device=flags.device)
+    ids = torch.arange(n, dtype=torch.int32, device=flags.device).expand_as(flags)
+    lists.scatter_(-1, slot.long(), ids)
+    return lists[..., :n], counts
+
+
+def work_lists(
+    selection: RowSelection, seq: SeqInfo, block_m: int, block_n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's work lists (module docstring) for ``selection``: ``(clean, clean_count,
+    masked, masked_count)``, lists (B, H, NT, NC) int32 of key-chunk indices (chunks of ``block_n``
+    keys; ``block_n`` divides the group size), counts (B, H, NT) int32."""
+    sel, row_block, group_size = selection.selected, selection.row_block, selection.group_size
+    batch, q_len = seq.batch, seq.q_len
+    heads, groups = sel.shape[1], sel.shape[3]
+    device = sel.device
+    tiles = math.ceil(q_len / block_m)
+    chunks = math.ceil(seq.kv_capacity / block_n)
+    first_row = torch.arange(tiles, device=device) * block_m
+    last_row = torch.clamp(first_row + block_m, max=q_len) - 1
+    pos0 = seq.q_start[:, None] + first_row[None, :]  # (B, NT) the tiles' first and last positions
+    pos1 = seq.q_start[:, None] + last_row[None, :]
+    base = torch.div(seq.q_start, row_block, rounding_mode="floor")[:, None]
+    r_lo = torch.div(pos0, row_block, rounding_mode="floor") - base
+    r_hi = torch.div(pos1, row_block, rounding_mode="floor") - base
+    span = min(sel.shape[2], (block_m + row_block - 1) // row_block + 1)
+    rows = torch.minimum(r_lo[..., None] + torch.arange(span, device=device), r_hi[..., None])  # (B, NT, span)
+    table = sel.expand(batch, *sel.shape[1:]) if sel.shape[0] != batch else sel
+    index = rows.reshape(batch, 1, tiles * span, 1).expand(batch, heads, tiles * span, groups)
+    picked = table.gather(2, index).view(batch, heads, tiles, span, groups)
+    union, common = picked.any(3), picked.all(3)  # (B, H, NT, G)
+    per = group_size // block_n
+    if per > 1:
+        union = union.repeat_interleave(per, -1)
+        common = common.repeat_interleave(per, -1)
+    union, common = union[..., :chunks], common[..., :chunks]
+    if union.shape[-1] < chunks:  # a table narrower than the keys: the rest is not selected
+        pad = chunks - union.shape[-1]
+        union = torch.nn.functional.pad(union, (0, pad))
+        common = torch.nn.functional.pad(common, (0, pad))
+    start = torch.arange(chunks, device=device) * block_n  # (NC,)
+    kv_len = seq.kv_len[:, None, None]
+    reach = (start <= pos1[..., None]) & (start < kv_len)  # (B, NT, NC)
+    whole = (start + block_n - 1 <= pos0[..., None]) & (start + block_n <= kv_len)
+    if selection.window > 0:  # the window reaches the chunk's last key from the first position
+        union = union | (start + block_n - 1 > pos0[..., None] - selection.window)[:, None]
+        common = common | (start > pos1[..., None] - selection.window)[:, None]  # whole, from every row
+    visit = union & reach[:, None]
+    clean = common & whole[:, None] & visit
+    clean_list, clean_count = _compact(clean)
+    masked_list, masked_count = _compact(visit & ~clean)
+    return clean_list, clean_count, masked_list, masked_count
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _chunk(acc, m_i, l_i, qv, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, kpos, d, d_ok, ok,
+           qk_scale, MASKED: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """One key chunk of the online softmax: ``ok`` (BLOCK_M, BLOCK_N) the pairs kept (MASKED only)."""
+    rows = kpos.to(tl.int64)[:, None]
+    if EVEN_D:
+        kt = tl.load(k_base + rows * stride_ks + d[None, :] * stride_kd)
+        vt = tl.load(v_base + rows * stride_vs + d[None, :] * stride_vd)
+    else:
+        kt = tl.load(k_base + rows * stride_ks + d[None, :] * stride_kd, mask=d_ok[None, :], other=0.0)
+        vt = tl.load(v_base + rows * stride_vs + d[None, :] * stride_vd, mask=d_ok[None, :], other=0.0)
+    if UPCAST:  # the interpreter multiplies 16-bit bit patterns as integers: upcast (exact)
+        kt = kt.to(tl.float32)
+        vt = vt.to(tl.float32)
+    if IEEE:
+        s = tl.dot(qv, tl.trans(kt), input_precision="ieee") * qk_scale
+    else:
+        s = tl.dot(qv, tl.trans(kt)) * qk_scale
+    if MASKED:
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        shift = m_new
+    p = tl.exp2(s - shift[:, None])
+    alpha = tl.exp2(m_i - shift)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE or UPCAST:
+        acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _block_sparse_kernel(
+    q_ptr, k_ptr, v_ptr, sel_ptr, clean_ptr, nclean_ptr, masked_ptr, nmasked_ptr, keep_ptr,
+    q_start_ptr, kv_len_ptr, out_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_sb, stride_sh, stride_sr, stride_sg,
+    stride_lb, stride_lh, stride_lt, stride_lc,
+    stride_cb, stride_ch, stride_ct,
+    stride_eb, stride_eh,
+    stride_ob, stride_oh, stride_os, stride_od,
+    q_len, row_block, group_size, window, kv_group, sel_group, qk_scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    hs = h // sel_group  # the table's head
+    q_start = tl.load(q_start_ptr + b).to(tl.int32)
+    kv_len = tl.load(kv_len_ptr + b).to(tl.int32)
+    i = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = i < q_len
+    pos = q_start + i
+    flag_row = pos // row_block - q_start // row_block
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    EVEN_D: tl.constexpr = HEAD_DIM == D_PAD
+    q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    qv = tl.load(q_base + i[:, None].to(tl.int64) * stride_qs + d[None, :] * stride_qd,
+                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        qv = qv.to(tl.float32)
+    kh = h // kv_group
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + kh.to(tl.int64) * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + kh.to(tl.int64) * stride_vh
+    s_base = sel_ptr + b.to(tl.int64) * stride_sb + hs.to(tl.int64) * stride_sh + flag_row.to(tl.int64) * stride_sr
+    list_off = b.to(tl.int64) * stride_lb + hs.to(tl.int64) * stride_lh + tile.to(tl.int64) * stride_lt
+    count_off = b.to(tl.int64) * stride_cb + hs.to(tl.int64) * stride_ch + tile * stride_ct
+    head_kept = tl.load(keep_ptr + b.to(tl.int64) * stride_eb + h.to(tl.int64) * stride_eh) != 0
+    n_clean = tl.where(head_kept, tl.load(nclean_ptr + count_off), 0)  # a head left out computes nothing
+    n_masked = tl.where(head_kept, tl.load(nmasked_ptr + count_off), 0)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D_PAD), tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    none = tl.zeros((BLOCK_M, BLOCK_N), tl.int1)
+    for e in range(0, n_clean):  # chunks every row selects, wholly before the tile: no mask
+        c = tl.load(clean_ptr + list_off + e * stride_lc)
+        acc, m_i, l_i = _chunk(acc, m_i, l_i, qv, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+                               c * BLOCK_N + n, d, d_ok, none, qk_scale,
+                               MASKED=False, EVEN_D=EVEN_D, IEEE=IEEE, UPCAST=UPCAST)
+    for e in range(0, n_masked):
+        c = tl.load(masked_ptr + list_off + e * stride_lc)
+        kpos = c * BLOCK_N + n
+        flags = tl.load(s_base + ((c * BLOCK_N) // group_size) * stride_sg, mask=row_ok, other=0) != 0
+        seen_pair = flags[:, None]
+        if WINDOW:
+            seen_pair = seen_pair | (kpos[None, :] > pos[:, None] - window)
+        ok = seen_pair & (kpos[None, :] <= pos[:, None]) & (kpos[None, :] < kv_len)
+        acc, m_i, l_i = _chunk(acc, m_i, l_i, qv, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+                               tl.minimum(kpos, kv_len - 1), d, d_ok, ok, qk_scale,
+                               MASKED=True, EVEN_D=EVEN_D, IEEE=IEEE, UPCAST=UPCAST)
+    seen = l_i > 0
+    out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    o_base = out_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    tl.store(o_base + i[:, None].to(tl.int64) * stride_os + d[None, :] * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(lse_ptr + (b * tl.num_programs(1) + h).to(tl.int64) * q_len + i, lse, mask=row_ok)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    selection: RowSelection,
+    seq: SeqInfo,
+    scale: float,
+    keep_heads: torch.Tensor | None,
+    tiles: Tiles,
+    caller: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    reason = unsupported(q)
+    if reason is not None:
+        raise BackendUnavailableError(f"Triton {caller}: {reason}")
+    seq.check(q, k)
+    batch, hq, q_len, dim = q.shape
+    hkv = k.shape[1]
+    sel = selection.selected
+    rows = seq.num_query_blocks(selection.row_block)
+    if sel.shape[0] not in (1, batch) or sel.shape[2] != rows or hq % sel.shape[1]:
+        raise ValueError(
+            f"{caller}: the selection table must be (1 or B={batch}, H dividing {hq}, {rows} rows of "
+            f"{selection.row_block} positions, G), got {tuple(sel.shape)}"
+        )
+    if k.dtype != q.dtype or v.dtype != q.dtype or v.shape[-1] != dim:
+        raise ValueError(
+            f"{caller}: q, k, v must share dtype and head dim; got {q.dtype}/{k.dtype}/{v.dtype}, "
+            f"head dims {dim}/{k.shape[-1]}/{v.shape[-1]}"
+        )
+    block_n = _chunk_size(selection.group_size, tiles.block_n)
+    if block_n is None:
+        raise BackendUnavailableError(
+            f"Triton {caller}: key group size {selection.group_size} is not a multiple of 16"
+        )
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(batch, hq, q_len, dtype=torch.float32, device=q.device)
+    if batch * hq * q_len == 0:
+        return out, lse
+    if keep_heads is None:
+        keep = torch.ones(1, hq, dtype=torch.uint8, device=q.device).expand(batch, hq)
+    else:
+        if keep_heads.dim() != 2 or keep_heads.shape[0] not in (1, batch) or keep_heads.shape[1] != hq:
+            raise ValueError(f"{caller}: keep_heads must be (1 or {batch}, {hq}), got {tuple(keep_heads.shape)}")
+        keep = keep_heads.to(torch.uint8).expand(batch, hq)
+    clean, n_clean, masked, n_masked = work_lists(selection, seq, tiles.block_m, block_n)
+    sel_u8 = sel.view(torch.uint8) if sel.dtype == torch.bool else sel
+    if sel_u8.shape[0] != batch:  # one table for every sample: stride 0 over the batch
+        sel_u8 = sel_u8.expand(batch, *sel_u8.shape[1:])
+    grid = (triton.cdiv(q_len, tiles.block_m), hq, batch)
+    _block_sparse_kernel[grid](
+        q, k, v, sel_u8, clean, n_clean, masked, n_masked, keep, seq.q_start.contiguous(), seq.kv_len.contiguous(),
+        out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *sel_u8.stride(), *clean.stride(), *n_clean.stride(), *keep.stride(),
+        *out.stride(),
+        q_len, selection.row_block, selection.group_size, selection.window, hq // hkv, hq // sel.shape[1],
+        scale * _LOG2E,
+        HEAD_DIM=dim, D_PAD=max(16, next_pow2(dim)), BLOCK_M=tiles.block_m, BLOCK_N=block_n,
+        WINDOW=selection.window > 0, IEEE=q.dtype == torch.float32, UPCAST=interpreting() and q.dtype != torch.float32,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    return out, lse
+
+
+def row_selection_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    selection: RowSelection,
+    seq: SeqInfo,
+    *,
+    scale: float,
+    keep_heads: torch.Tensor | None = None,
+    tiles: Tiles = DEFAULT_TILES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32) of attention under ``selection``
+    (module docstring); ``q`` (B, Hq, Sq, D), ``k`` / ``v`` (B, Hkv, Sk, D), any strides.
+    ``keep_heads`` (B or 1, Hq) bool: heads outside it compute nothing (zero output, ``-inf``
+    lse), as the flex executor's ``keep_heads``. Raises
+    :class:`~elasticfw.errors.BackendUnavailableError` where :func:`unsupported` gives a reason."""
+    return _attend(q, k, v, selection, seq, scale, keep_heads, tiles, "row_selection_attention")
+
+
+def block_layout_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: BlockLayout,
+    seq: SeqInfo,
+    *,
+    scale: float,
+    keep_heads: torch.Tensor | None = None,
+    tiles: Tiles = DEFAULT_TILES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`row_selection_attention` of ``layout``'s selection (:func:`layout_selection`: its row
+    selection, or its blocks when it has no token mask). Raises
+    :class:`~elasticfw.errors.BackendUnavailableError` where :func:`unsupported_layout` gives a reason."""
+    reason = unsupported_layout(layout, tiles)
+    if reason is not None:
+        raise BackendUnavailableError(f"Triton block_layout_attention: {reason}")
+    selection = layout_selection(layout)
+    assert selection is not None  # unsupported_layout said so
+    return row_selection_attention(q, k, v, selection, seq, scale=scale, keep_heads=keep_heads, tiles=tiles)

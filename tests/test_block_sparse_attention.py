@@ -1,0 +1,400 @@
+"""The row-selection attention kernel (elasticfw.kernels.block_sparse_attention) under Triton's
+interpreter: against a float64 attention written here from the RowSelection definition, and
+through the flex executor on per-token MoBA layouts against the reference executor."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from elasticfw.attention.layout import BlockLayout, RowSelection
+from elasticfw.attention.seq import SeqInfo
+from elasticfw.errors import BackendUnavailableError
+from elasticfw.kernels import triton_unavailable
+
+DEV = torch.device("cpu")
+pytestmark = pytest.mark.skipif(triton_unavailable(DEV) is not None, reason="needs Triton's interpreter")
+
+
+def _seq(q_start, kv_len, q_len, cap):
+    return SeqInfo(torch.tensor(q_start), torch.tensor(kv_len), q_len, cap)
+
+
+def _brute(q, k, v, selected, group_size, seq, scale, row_block=1, window=0):
+    """float64: the query at position p (row i) of head h sees key j iff j <= p, j < kv_len and (its
+    flag row p // row_block - q_start // row_block selects j's group, or p - window < j with a window)."""
+    batch, hq, sq, dim = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    out = torch.zeros(batch, hq, sq, dim, dtype=torch.float64)
+    lse = torch.full((batch, hq, sq), -math.inf, dtype=torch.float64)
+    for b in range(batch):
+        q0 = int(seq.q_start[b])
+        for h in range(hq):
+            hs = h // (hq // selected.shape[1])
+            kh = h // (hq // hkv)
+            for i in range(sq):
+                pos = q0 + i
+                row = selected[min(b, selected.shape[0] - 1), hs, pos // row_block - q0 // row_block]
+                keys = [j for j in range(sk) if j <= pos and j < int(seq.kv_len[b])
+                        and (bool(row[j // group_size]) or (window > 0 and j > pos - window))]
+                if not keys:
+                    continue
+                s = q[b, h, i].double() @ k[b, kh, keys].double().T * scale
+                lse[b, h, i] = torch.logsumexp(s, 0)
+                out[b, h, i] = torch.softmax(s, 0) @ v[b, kh, keys].double()
+    return out, lse
+
+
+def _inputs(seq, hq, hkv, dim, dtype, groups, group_size, sel_heads, seed=0, density=0.4):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(seq.batch, hq, seq.q_len, dim, generator=g).to(dtype)
+    k = torch.randn(seq.batch, hkv, seq.kv_capacity, dim, generator=g).to(dtype)
+    v = torch.randn(seq.batch, hkv, seq.kv_capacity, dim, generator=g).to(dtype)
+    selected = torch.rand(seq.batch, sel_heads, seq.q_len, groups, generator=g) < density
+    return q, k, v, selected
+
+
+CASES = {
+    # name: (seq, Hq, Hkv, sel heads, D, dtype, groups, group size)
+    "prefill": (lambda: SeqInfo.dense(1, 150, 150), 4, 2, 4, 32, torch.float32, 5, 32),
+    "gqa_selection_per_kv_head": (lambda: SeqInfo.dense(1, 140, 140), 4, 2, 2, 16, torch.float32, 9, 16),
+    "right_padded": (lambda: _seq([0, 0], [130, 77], 130, 130), 2, 1, 2, 16, torch.float32, 5, 32),
+    "chunked_unaligned": (lambda: _seq([37, 50], [170, 110], 70, 170), 2, 2, 2, 24, torch.float32, 6, 32),
+    "decode": (lambda: _seq([149, 96], [150, 97], 1, 150), 4, 1, 4, 16, torch.float32, 10, 16),
+    "bf16": (lambda: SeqInfo.dense(1, 130, 130), 2, 1, 2, 32, torch.bfloat16, 5, 32),
+    "fp16": (lambda: _seq([5], [120], 100, 120), 2, 1, 1, 16, torch.float16, 8, 16),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_the_definition(name):
+    from elasticfw.kernels.block_sparse_attention import row_selection_attention
+
+    make, hq, hkv, hs, dim, dtype, groups, gsize = CASES[name]
+    seq = make()
+    q, k, v, selected = _inputs(seq, hq, hkv, dim, dtype, groups, gsize, hs)
+    scale = dim**-0.5
+    out, lse = row_selection_attention(q, k, v, RowSelection(selected, gsize), seq, scale=scale)
+    ref_out, ref_lse = _brute(q, k, v, selected, gsize, seq, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=tol)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)  # rows that see nothing: -inf, zero output
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-5, atol=1e-4)
+    assert (out[~finite] == 0).all()
+
+
+def test_keep_heads_and_a_shared_selection():
+    from elasticfw.kernels.block_sparse_attention import row_selection_attention
+
+    seq = _seq([0, 10], [140, 130], 120, 140)
+    q, k, v, selected = _inputs(seq, 4, 2, 16, torch.float32, 5, 32, 1, seed=3)
+    shared = selected[:1]  # one table for both samples
+    keep = torch.tensor([[True, False, True, False]])
+    out, lse = row_selection_attention(q, k, v, RowSelection(shared, 32), seq, scale=0.25, keep_heads=keep)
+    ref_out, ref_lse = _brute(q, k, v, shared, 32, seq, 0.25)
+    torch.testing.assert_close(out[:, [0, 2]].double(), ref_out[:, [0, 2]], rtol=1e-5, atol=1e-5)
+    assert (out[:, [1, 3]] == 0).all() and torch.isinf(lse[:, [1, 3]]).all()
+
+
+def test_unsupported_inputs_are_named():
+    from elasticfw.kernels.block_sparse_attention import row_selection_attention, unsupported
+
+    q = torch.zeros(1, 2, 8, 16, dtype=torch.float64)
+    assert "float64" in unsupported(q)
+    with pytest.raises(BackendUnavailableError, match="float64"):
+        row_selection_attention(q, q, q, RowSelection(torch.ones(1, 2, 8, 1, dtype=torch.bool), 8),
+                                SeqInfo.dense(1, 8, 8), scale=1.0)
+
+
+# -- through the flex executor, on per-token MoBA layouts -----------------------------------------
+
+
+def _moba_case(kv_lens=None, sq=None, seed=0):
+    from elasticfw.testing.modes import make_inputs, make_mode
+
+    sk = 192
+    q, k, v, seq = make_inputs((2, 4, 2, sq or sk, sk, 16), seed=seed, kv_lens=kv_lens)
+    mode = make_mode("moba", {"moba_block_size": 32, "top_k": 3, "block_size": 16, "planner": "torch"})
+    with torch.no_grad():
+        layout = mode.build_layout(q, k, seq)
+    return q, k, v, seq, layout
+
+
+@pytest.mark.parametrize("case", ["prefill", "padded", "decode"])
+def test_flex_executor_runs_moba_token_layouts_through_the_kernel(case, monkeypatch):
+    from elasticfw.testing.modes import reference_executor
+    from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
+
+    kw = {"prefill": {}, "padded": {"kv_lens": [192, 131]}, "decode": {"kv_lens": [192, 150], "sq": 1}}[case]
+    q, k, v, seq, layout = _moba_case(**kw)
+    assert layout.row_selection is not None and layout.row_selection.group_size == 32
+    calls = []
+    import elasticfw.kernels.block_sparse_attention as bsa
+
+    real = bsa.row_selection_attention
+    monkeypatch.setattr(bsa, "row_selection_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    ex = FlexExecutor(FlexConfig(sparse_kernel="triton"))
+    with torch.no_grad():
+        got = ex.attend(q, k, v, layout, seq, scale=0.25)
+        ref = reference_executor().attend(q, k, v, layout, seq, scale=0.25)
+    assert calls == [1]
+    rows = seq.query_valid()[:, None, :]
+    torch.testing.assert_close(got.out[rows.expand_as(got.lse)], ref.out[rows.expand_as(ref.lse)], rtol=1e-5, atol=1e-5)
+    finite = torch.isfinite(ref.lse) & rows
+    torch.testing.assert_close(got.lse[finite], ref.lse[finite], rtol=1e-5, atol=1e-5)
+
+
+def test_backend_choice_of_row_selection_layouts(monkeypatch):
+    from elasticfw.attention.layout import select_heads, with_window
+    from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
+
+    q, k, v, seq, layout = _moba_case()
+    import elasticfw.kernels.block_sparse_attention as bsa
+
+    def refuse(*a, **kw):
+        raise AssertionError("the kernel ran")
+
+    monkeypatch.setattr(bsa, "row_selection_attention", refuse)
+    with torch.no_grad():  # `auto` on a CPU and the default `flex` keep FlexAttention
+        FlexExecutor(FlexConfig(sparse_kernel="auto")).attend(q, k, v, layout, seq, scale=0.25)
+        FlexExecutor(FlexConfig()).attend(q, k, v, layout, seq, scale=0.25)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    with pytest.raises(BackendUnavailableError, match="no backward.*sparse_kernel"):
+        FlexExecutor(FlexConfig(sparse_kernel="triton")).attend(*leaves, layout, seq, scale=0.25)
+    # transformations that change the pairs drop the row selection (an executor may trust it)
+    assert with_window(layout, seq, 40).row_selection is None
+    assert select_heads(torch.ones(2, 4, dtype=torch.bool), layout, layout).row_selection is None
+
+
+def test_row_selection_tiles_smaller_than_the_group_and_strided_inputs():
+    """64-row tiles against 32-key groups through 16-key chunks; q/k/v views of a packed tensor."""
+    from elasticfw.kernels.block_sparse_attention import Tiles, row_selection_attention
+
+    seq = _seq([0, 20], [160, 150], 140, 160)
+    g = torch.Generator().manual_seed(5)
+    packed = torch.randn(2, 160, 3, 2, 16, generator=g)  # (B, S, q/k/v, H, D): strided head views
+    q, k, v = (packed[:, :140 if n == 0 else 160, n].transpose(1, 2) for n in range(3))
+    selected = torch.rand(2, 2, 140, 5, generator=g) < 0.5
+    out, lse = row_selection_attention(q, k, v, RowSelection(selected, 32), seq, scale=0.3,
+                                       tiles=Tiles(block_m=64, block_n=16, num_warps=4, num_stages=2))
+    ref_out, ref_lse = _brute(q, k, v, selected, 32, seq, 0.3)
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+
+
+# -- block layouts (no token mask) -----------------------------------------------------------------
+
+
+BLOCK_CASES = {
+    # name: (seq, Hq, Hkv, table heads, D, dtype, block size, density, tiles (block_m, block_n))
+    "prefill_per_query_head": (lambda: SeqInfo.dense(1, 200, 200), 4, 2, 4, 32, torch.float32, 16, 0.5, (32, 16)),
+    "dense_blocks_clean_path": (lambda: SeqInfo.dense(1, 192, 192), 2, 1, 1, 16, torch.float32, 32, 1.0, (32, 32)),
+    "per_kv_head_gqa": (lambda: SeqInfo.dense(2, 160, 160), 4, 2, 2, 16, torch.float32, 32, 0.6, (64, 32)),
+    "right_padded": (lambda: _seq([0, 0], [150, 83], 150, 150), 2, 1, 2, 16, torch.float32, 16, 0.7, (32, 16)),
+    "chunked_unaligned": (lambda: _seq([37, 50], [170, 118], 70, 170), 2, 2, 1, 24, torch.float32, 16, 0.6, (32, 16)),
+    "decode": (lambda: _seq([149, 96], [150, 97], 1, 150), 4, 1, 4, 16, torch.float32, 16, 0.5, (16, 16)),
+    "tile_smaller_than_block": (lambda: _seq([5], [140], 135, 140), 2, 1, 2, 16, torch.float32, 64, 0.7, (32, 32)),
+    "bf16": (lambda: SeqInfo.dense(1, 160, 160), 2, 1, 2, 32, torch.bfloat16, 32, 0.6, (64, 32)),
+    "fp16": (lambda: _seq([3], [130], 127, 130), 2, 1, 1, 16, torch.float16, 16, 0.6, (32, 16)),
+}
+
+
+def _block_inputs(seq, hq, hkv, hs, dim, dtype, bs, density, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(seq.batch, hq, seq.q_len, dim, generator=g).to(dtype)
+    k = torch.randn(seq.batch, hkv, seq.kv_capacity, dim, generator=g).to(dtype)
+    v = torch.randn(seq.batch, hkv, seq.kv_capacity, dim, generator=g).to(dtype)
+    nqb, nkb = seq.num_query_blocks(bs), seq.num_key_blocks(bs)
+    blocks = torch.rand(seq.batch, hs, nqb, nkb, generator=g) < density
+    return q, k, v, BlockLayout(blocks, bs)
+
+
+@pytest.mark.parametrize("name", list(BLOCK_CASES))
+def test_block_layout_kernel_matches_the_definition(name):
+    from elasticfw.kernels.block_sparse_attention import Tiles, block_layout_attention, work_lists
+
+    make, hq, hkv, hs, dim, dtype, bs, density, (bm, bn) = BLOCK_CASES[name]
+    seq = make()
+    q, k, v, layout = _block_inputs(seq, hq, hkv, hs, dim, dtype, bs, density)
+    tiles = Tiles(block_m=bm, block_n=bn, num_warps=4, num_stages=2)
+    out, lse = block_layout_attention(q, k, v, layout, seq, scale=dim**-0.5, tiles=tiles)
+    ref_out, ref_lse = _brute(q, k, v, layout.blocks, bs, seq, dim**-0.5, row_block=bs)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=tol)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-5, atol=1e-4)
+    assert (out[~finite] == 0).all()
+    _, n_clean, _, n_masked = work_lists(RowSelection(layout.blocks, bs, row_block=bs), seq, bm, min(bn, bs))
+    assert n_masked.sum() > 0  # every case has diagonal chunks
+    if name in ("dense_blocks_clean_path", "prefill_per_query_head", "per_kv_head_gqa", "bf16"):
+        assert n_clean.sum() > 0  # and these also take the unmasked loop
+
+
+def test_work_lists_split_clean_from_masked_chunks():
+    """Hand-checked lists: 4 query rows per tile, 2 keys per chunk, one 4-key block per layout row."""
+    from elasticfw.kernels.block_sparse_attention import work_lists
+
+    seq = SeqInfo.dense(1, 12, 12)  # 3 tiles of 4 rows, 6 chunks of 2 keys, 3 blocks of 4
+    blocks = torch.tensor([[[[1, 0, 0], [1, 1, 0], [0, 1, 1]]]], dtype=torch.bool)
+    sel = RowSelection(blocks, 4, row_block=4)
+    clean, n_clean, masked, n_masked = work_lists(sel, seq, 4, 2)
+    lists = lambda li, n, t: li[0, 0, t, : n[0, 0, t]].tolist()  # noqa: E731
+    # tile 0 (positions 0-3): block 0 only, its chunks 0-1 both cross the diagonal
+    assert lists(clean, n_clean, 0) == [] and lists(masked, n_masked, 0) == [0, 1]
+    # tile 1 (positions 4-7): block 0 is wholly before position 4 (clean), block 1 holds the diagonal
+    assert lists(clean, n_clean, 1) == [0, 1] and lists(masked, n_masked, 1) == [2, 3]
+    # tile 2 (positions 8-11): blocks 1 (clean) and 2 (diagonal)
+    assert lists(clean, n_clean, 2) == [2, 3] and lists(masked, n_masked, 2) == [4, 5]
+    # 8-row tiles over 4-row layout rows: a block only one of its layout rows selects is masked
+    clean, n_clean, masked, n_masked = work_lists(sel, seq, 8, 2)
+    assert lists(clean, n_clean, 0) == [] and lists(masked, n_masked, 0) == [0, 1, 2, 3]
+    assert lists(clean, n_clean, 1) == [2, 3] and lists(masked, n_masked, 1) == [4, 5]  # rows 8-11: row 2 only
+
+
+def test_unsupported_layouts_are_named():
+    from elasticfw.kernels.block_sparse_attention import block_layout_attention, unsupported_layout
+
+    seq = SeqInfo.dense(1, 24, 24)
+    odd = BlockLayout(torch.ones(1, 1, 3, 3, dtype=torch.bool), 8)
+    assert "multiple of 16" in unsupported_layout(odd)
+    masked = BlockLayout(torch.ones(1, 1, 2, 2, dtype=torch.bool), 16, token_mask=lambda b, h, q, k: q >= k)
+    assert "token mask" in unsupported_layout(masked)
+    q = torch.zeros(1, 1, 24, 16)
+    with pytest.raises(BackendUnavailableError, match="multiple of 16"):
+        block_layout_attention(q, q, q, odd, seq, scale=1.0)
+
+
+def _mode_layout(name, overrides, kv_lens=None, sq=None, seed=0):
+    from elasticfw.testing.modes import make_inputs, make_mode
+
+    sk = 256
+    q, k, v, seq = make_inputs((2, 4, 2, sq or sk, sk, 16), seed=seed, kv_lens=kv_lens)
+    with torch.no_grad():
+        layout = make_mode(name, overrides).build_layout(q, k, seq)
+    return q, k, v, seq, layout
+
+
+MODE_CASES = {
+    "xattention": ("xattention", {"block_size": 16, "stride": 4, "threshold": 0.9, "estimator": "torch"}),
+    "nsa_block": ("nsa", {"block_size": 16, "top_n": 4, "window": 32, "compress_kernel": 16, "compress_stride": 8,
+                          "local_blocks": 1, "query_granularity": "block", "scorer": "torch"}),
+    "streaming_block": ("streaming", {"sink_tokens": 16, "local_tokens": 64, "block_size": 16, "granularity": "block"}),
+    "nsa_token": ("nsa", {"block_size": 16, "top_n": 4, "window": 24, "compress_kernel": 16, "compress_stride": 8,
+                          "local_blocks": 1, "query_granularity": "token", "scorer": "torch"}),
+    "nsa_no_window": ("nsa", {"block_size": 16, "top_n": 4, "window": 0, "compress_kernel": 16,
+                              "compress_stride": 8, "local_blocks": 1, "scorer": "torch"}),
+    "moba_block": ("moba", {"moba_block_size": 32, "top_k": 3, "block_size": 16, "query_granularity": "block",
+                            "planner": "torch"}),
+    "full": ("full", {"block_size": 16}),
+}
+
+
+@pytest.mark.parametrize("case", ["prefill", "padded", "chunk"])
+@pytest.mark.parametrize("mode", list(MODE_CASES))
+def test_flex_executor_runs_block_layouts_through_the_kernel(mode, case, monkeypatch):
+    from elasticfw.testing.modes import reference_executor
+    from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
+
+    name, overrides = MODE_CASES[mode]
+    kw = {"prefill": {}, "padded": {"kv_lens": [256, 171]}, "chunk": {"kv_lens": [256, 200], "sq": 72}}[case]
+    q, k, v, seq, layout = _mode_layout(name, overrides, **kw)
+    if layout.token_mask is not None and layout.row_selection is None:
+        pytest.fail(f"{mode}: the case must build a layout the kernel takes")
+    import elasticfw.kernels.block_sparse_attention as bsa
+
+    calls = []
+    real = bsa.block_layout_attention
+    monkeypatch.setattr(bsa, "block_layout_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with torch.no_grad():
+        got = FlexExecutor(FlexConfig(sparse_kernel="triton")).attend(q, k, v, layout, seq, scale=0.25)
+        ref = reference_executor().attend(q, k, v, layout, seq, scale=0.25)
+    assert calls == [1]
+    rows = seq.query_valid()[:, None, :].expand_as(ref.lse)
+    torch.testing.assert_close(got.out[rows], ref.out[rows], rtol=1e-5, atol=1e-5)
+    finite = torch.isfinite(ref.lse) & rows
+    torch.testing.assert_close(got.lse[finite], ref.lse[finite], rtol=1e-5, atol=1e-5)
+
+
+def test_token_mask_layouts_stay_on_flexattention(monkeypatch):
+    """A pinned kernel still leaves a token-mask layout (token streaming) to FlexAttention."""
+    from elasticfw.testing.modes import reference_executor
+    from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
+
+    q, k, v, seq, layout = _mode_layout("streaming", {"sink_tokens": 8, "local_tokens": 40, "block_size": 16,
+                                                      "granularity": "token"})
+    assert layout.token_mask is not None and layout.row_selection is None
+    import elasticfw.kernels.block_sparse_attention as bsa
+
+    monkeypatch.setattr(bsa, "_attend", lambda *a, **kw: (_ for _ in ()).throw(AssertionError("the kernel ran")))
+    with torch.no_grad():
+        got = FlexExecutor(FlexConfig(sparse_kernel="triton")).attend(q, k, v, layout, seq, scale=0.25)
+        ref = reference_executor().attend(q, k, v, layout, seq, scale=0.25)
+    torch.testing.assert_close(got.out, ref.out, rtol=1e-5, atol=1e-5)
+
+
+def test_split_routed_layer_through_the_kernel():
+    """Under split, a routed layer's sparse heads (keep_heads) run through the kernel; full heads
+    through SDPA; the whole layer equals the reference executor's per-head combination."""
+    from elasticfw.attention.layout import causal_layout, select_heads
+    from elasticfw.testing.modes import reference_executor
+    from elasticfw_plugins.executors.flex import FlexConfig
+    from elasticfw_plugins.executors.split import SplitConfig, SplitExecutor
+
+    q, k, v, seq, sparse = _mode_layout("xattention", MODE_CASES["xattention"][1])
+    full = causal_layout(seq, 16)
+    hard = torch.tensor([[False, False, True, True]]).expand(2, 4)  # GQA group 0 full, group 1 sparse
+    import elasticfw.kernels.block_sparse_attention as bsa
+
+    calls = []
+    real = bsa.block_layout_attention
+    bsa_patch = pytest.MonkeyPatch()
+    bsa_patch.setattr(bsa, "block_layout_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    ex = SplitExecutor(SplitConfig(sparse="flex", flex=FlexConfig(sparse_kernel="triton")))
+    try:
+        with torch.no_grad():
+            got = ex.attend_routed(q, k, v, seq, hard=hard, layouts=(full, sparse), scale=0.25, need_lse=False)
+            ref = reference_executor().attend(q, k, v, select_heads(~hard, full, sparse), seq, scale=0.25)
+    finally:
+        bsa_patch.undo()
+    assert len(calls) == 1 and calls[0]["keep_heads"] is not None  # the sparse heads only, in the kernel
+    torch.testing.assert_close(got.out, ref.out, rtol=1e-5, atol=1e-5)
+
+
+WINDOW_CASES = {
+    # name: (seq, Hq, Hkv, table heads, D, row_block, group, window, density, tiles)
+    "per_block_rows": (lambda: SeqInfo.dense(1, 200, 200), 4, 2, 2, 16, 16, 16, 40, 0.2, (32, 16)),
+    "per_token_rows": (lambda: _seq([0, 30], [150, 140], 110, 150), 2, 1, 2, 16, 1, 32, 24, 0.3, (32, 16)),
+    "window_wider_than_tile": (lambda: _seq([20], [200], 180, 200), 2, 1, 1, 16, 32, 32, 100, 0.1, (32, 16)),
+    "decode": (lambda: _seq([149, 96], [150, 97], 1, 150), 4, 1, 4, 16, 16, 16, 33, 0.3, (16, 16)),
+}
+
+
+@pytest.mark.parametrize("name", list(WINDOW_CASES))
+def test_selection_with_a_sliding_window_matches_the_definition(name):
+    from elasticfw.kernels.block_sparse_attention import Tiles, row_selection_attention, work_lists
+
+    make, hq, hkv, hs, dim, row_block, group, window, density, (bm, bn) = WINDOW_CASES[name]
+    seq = make()
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(seq.batch, hq, seq.q_len, dim, generator=g)
+    k = torch.randn(seq.batch, hkv, seq.kv_capacity, dim, generator=g)
+    v = torch.randn(seq.batch, hkv, seq.kv_capacity, dim, generator=g)
+    rows = seq.num_query_blocks(row_block)
+    selected = torch.rand(seq.batch, hs, rows, math.ceil(seq.kv_capacity / group), generator=g) < density
+    selection = RowSelection(selected, group, row_block=row_block, window=window)
+    tiles = Tiles(block_m=bm, block_n=bn, num_warps=4, num_stages=2)
+    out, lse = row_selection_attention(q, k, v, selection, seq, scale=0.25, tiles=tiles)
+    ref_out, ref_lse = _brute(q, k, v, selected, group, seq, 0.25, row_block=row_block, window=window)
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-5, atol=1e-4)
+    if name == "window_wider_than_tile":  # chunks wholly inside every row's window take the clean loop
+        _, n_clean, _, _ = work_lists(selection, seq, bm, bn)
+        assert n_clean.sum() > 0
