@@ -27,16 +27,17 @@ JSON under ``--out`` as it goes:
    and 128K context, dense vs FA-SSA with the full and the compact cache (4 layers).
 
 5. ``density.json`` — ``python -m elasticfw.bench.density --seq 131072 --tiles 128,128,8,2
-   128,64,4,3``: the flex executor on random block layouts of 100% down to 12.5% of the causal
-   blocks, against dense cuDNN (the block-sparse kernel's criteria).
+   --triton 128,128,8,3 128,64,8,3``: FlexAttention and the Triton block-sparse kernel on random
+   block layouts of 100% down to 12.5% of the causal blocks, against dense cuDNN (the block-sparse
+   kernel's criteria).
 Before them ``--steps gpu-tests`` runs the GPU tests of the kernels (``pytest -m gpu``,
 ``gpu_tests.xml``): the kernels' correctness at long lengths, checked on the same machine.
 
 6. ``variants/`` (only with ``--steps variants``; ``targets`` does not read it): the 128K layer of
    MoBA with ``query_granularity: block`` and NSA with ``token``, and MoBA's and NSA's 64-token
    layouts (their defaults) on 64 x 64 FlexAttention tiles (``--flex-set``) instead of coarsened
-   to 128, and per-token MoBA through the row-selection kernel (``row_selection_kernel=triton``,
-   after a check against the reference executor at 16K).
+   to 128, each through FlexAttention (``sparse_kernel=flex``); and per-token MoBA through the
+   Triton block-sparse kernel with 64-row tiles (``sparse_kernel_tiles``).
 
 then ``targets``. ``demo-cpu`` times the old CPU demo (``results/demo-cpu.json``: ``elasticfw
 compare`` on the embedded SmolLM2-135M, passkey at 1,440 tokens, 20 samples, batch 4, 8 new tokens;
@@ -101,22 +102,22 @@ def gpu(args: argparse.Namespace) -> int:
         "gpu-tests": [py, "-m", "pytest", "tests/test_gpu.py", "tests/test_router_fused.py", "tests/test_xattention_triton.py",
          "tests/test_moba_triton.py", "tests/test_nsa_triton.py", "tests/test_block_sparse_gpu.py", "-m", "gpu", "-q",
          "-p", "no:cacheprovider", "--junitxml", str(out / "gpu_tests.xml")],
-        "density": [py, "-m", "elasticfw.bench.density", "--seq", "131072", "--tiles", "128,128,8,2", "128,64,4,3",
-         "--overwrite", "--out", str(out / "density.json")],
+        "density": [py, "-m", "elasticfw.bench.density", "--seq", "131072", "--tiles", "128,128,8,2", "--triton",
+         "128,128,8,3", "128,64,8,3", "--overwrite", "--out", str(out / "density.json")],
     }
     # beside the figures (in variants/, which targets does not read): MoBA with one selection per
     # query tile (NSA with one per token), and both 64-token layouts on 64 x 64 FlexAttention tiles
     base = [py, "-m", "elasticfw.bench.attention", "--seq", "131072", "--executors", "flex", "split", "--no-backward",
             "--no-hybrid", "--warmup-ms", "50", "--rep-ms", "300", "--overwrite"]
     variant = [*base, "--check-seq", "0"]
+    flex = ["--flex-set", "sparse_kernel=flex"]
     steps["variants"] = [
-        [*variant, "--modes", "moba", "nsa", "--set", "moba.query_granularity=block", "--set", "nsa.query_granularity=token",
-         "--out", str(out / "variants" / "granularity_128k.json")],
-        [*variant, "--modes", "moba", "nsa", "--flex-set", "kernel_block_size=64", "--flex-set",
+        [*variant, *flex, "--modes", "moba", "nsa", "--set", "moba.query_granularity=block", "--set",
+         "nsa.query_granularity=token", "--out", str(out / "variants" / "granularity_128k.json")],
+        [*variant, *flex, "--modes", "moba", "nsa", "--flex-set", "kernel_block_size=64", "--flex-set",
          "kernel_options={BLOCK_M: 64, BLOCK_N: 64}", "--out", str(out / "variants" / "tiles64_128k.json")],
-        # per-token MoBA through the row-selection kernel, checked against the reference at 16K first
-        [*base, "--check-seq", "16384", "--modes", "moba",
-         "--flex-set", "row_selection_kernel=triton", "--out", str(out / "variants" / "moba_rowsel_128k.json")],
+        [*variant, "--executors", "flex", "--modes", "moba", "--flex-set", "sparse_kernel_tiles=[64,128,4,3]",
+         "--out", str(out / "variants" / "moba_triton_tiles64_128k.json")],
     ]
     codes = []
     for name in args.steps:

@@ -94,7 +94,7 @@ def _cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, row:
 
 
 def _configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
-    out: list[tuple[str, dict[str, Any]]] = [("flex", {})]
+    out: list[tuple[str, dict[str, Any]]] = [("flex", {"sparse_kernel": "flex"})]  # FlexAttention itself
     for spec in args.tiles or []:
         try:
             bm, bn, warps, stages = (int(x) for x in spec.split(","))

@@ -107,12 +107,13 @@ class FlexConfig(ExecutorConfig):
         64, ge=1, description="Dynamo recompile limit while this executor runs; exceeding it is an error."
     )
     sparse_kernel: Literal["flex", "auto", "triton"] = Field(
-        "flex",
+        "auto",
         description="Layouts the Triton block-sparse kernel takes (elasticfw.kernels.block_sparse_attention: "
         "blocks without a token mask, and row selections such as per-token MoBA; each query tile visits only "
         "the key chunks its rows select): `flex` runs every layout through FlexAttention; `triton` runs those "
         "through the kernel (forward only, an error where it cannot run) and the rest through FlexAttention; "
-        "`auto` the kernel on CUDA for calls without autograd, FlexAttention otherwise.",
+        "`auto` the kernel on CUDA for calls without autograd, except dense causal layouts (FlexAttention is as "
+        "fast there), FlexAttention otherwise.",
     )
     sparse_kernel_tiles: tuple[int, int, int, int] | None = Field(
         None,
@@ -365,7 +366,7 @@ class FlexExecutor(Executor):
             recording = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
             reason = "it has no backward (autograd is recording)" if recording else unsupported(q)
         if choice == "auto":
-            return reason is None and q.device.type == "cuda"
+            return reason is None and q.device.type == "cuda" and not layout.dense_causal
         if reason is not None:
             raise BackendUnavailableError(
                 f"flex executor: sparse_kernel = 'triton' cannot run here: {reason} (set "
