@@ -398,3 +398,33 @@ def test_selection_with_a_sliding_window_matches_the_definition(name):
     if name == "window_wider_than_tile":  # chunks wholly inside every row's window take the clean loop
         _, n_clean, _, _ = work_lists(selection, seq, bm, bn)
         assert n_clean.sum() > 0
+
+
+def test_reusable_layouts_plan_their_work_once(monkeypatch):
+    """The flex executor keeps a reusable layout's work lists (as it keeps its BlockMask) and reuses
+    them for the next layer; a new layout object is planned again. Both calls match the reference."""
+    import dataclasses
+
+    from elasticfw.testing.modes import reference_executor
+    from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
+
+    q, k, v, _, layout = _mode_layout("streaming", MODE_CASES["streaming_block"][1])
+    seq = SeqInfo.dense(2, 256, 256)  # a host signature: what the runtime's prefill passes
+    layout = dataclasses.replace(layout, reusable=True)
+    import elasticfw.kernels.block_sparse_attention as bsa
+
+    plans = []
+    real = bsa.plan_work
+    monkeypatch.setattr(bsa, "plan_work", lambda *a, **kw: plans.append(1) or real(*a, **kw))
+    ex = FlexExecutor(FlexConfig(sparse_kernel="triton"))
+    with torch.no_grad():
+        ref = reference_executor().attend(q, k, v, layout, seq, scale=0.25)
+        for _ in range(3):
+            got = ex.attend(q, k, v, layout, seq, scale=0.25)
+            torch.testing.assert_close(got.out, ref.out, rtol=1e-5, atol=1e-5)
+        assert plans == [1]
+        ex.attend(q, k, v, dataclasses.replace(layout), seq, scale=0.25)  # another object: planned anew
+    assert plans == [1, 1]
+    with pytest.raises(ValueError, match="work plan"):
+        bsa.block_layout_attention(q, k, v, layout, seq, scale=0.25, plan=real(bsa.layout_selection(layout), seq),
+                                   tiles=bsa.Tiles(block_m=64))

@@ -11,7 +11,7 @@ from elasticfw.attention.seq import SeqInfo
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def _compare(mode_name, overrides, n, hq=8, hkv=2):
+def _compare(mode_name, overrides, n, hq=8, hkv=2, **flex):
     from elasticfw.bench.inputs import structured_qkv
     from elasticfw.testing.modes import make_mode
     from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
@@ -20,7 +20,7 @@ def _compare(mode_name, overrides, n, hq=8, hkv=2):
     seq = SeqInfo.dense(1, n, n, device="cuda")
     with torch.no_grad():
         layout = make_mode(mode_name, overrides).build_layout(q, k, seq)
-        got = FlexExecutor(FlexConfig(sparse_kernel="triton")).attend(q, k, v, layout, seq, scale=128**-0.5)
+        got = FlexExecutor(FlexConfig(sparse_kernel="triton", **flex)).attend(q, k, v, layout, seq, scale=128**-0.5)
         ref = FlexExecutor(FlexConfig(sparse_kernel="flex")).attend(q, k, v, layout, seq, scale=128**-0.5)
     rel = ((got.out.float() - ref.out.float()).norm() / ref.out.float().norm()).item()
     assert rel < 1e-2, rel
@@ -30,6 +30,11 @@ def _compare(mode_name, overrides, n, hq=8, hkv=2):
 
 def test_gpu_32k_moba_token_layer_matches_flexattention():  # the kernel's 128-key chunks of 1024-key groups
     layout = _compare("moba", {}, 32768)
+    assert layout.row_selection is not None
+
+
+def test_gpu_32k_moba_token_layer_gathered_matches_flexattention():  # upstream MoBA's query gathering
+    layout = _compare("moba", {}, 32768, row_selection_strategy="gather")
     assert layout.row_selection is not None
 
 

@@ -29,8 +29,9 @@ and values head ``h // (Hq / Hkv)`` (GQA without copying K/V). That covers:
 
 Forward only (no autograd): the flex executor uses it for inference calls with ``sparse_kernel``
 ``triton`` (or ``auto`` on CUDA), FlexAttention otherwise. Memory beyond the inputs and the
-outputs: the two lists, ``2 * 4 * B * H * (Sq / BLOCK_M) * (Sk / BLOCK_N)`` bytes (about 0.5 GB at
-128K tokens for 32 table heads, 128 x 64 tiles), and their construction's boolean temporaries.
+outputs: the two lists, ``2 * 4 * B * H * (Sq / BLOCK_M) * (Sk / BLOCK_N)`` bytes (at 128K tokens
+for 32 table heads and 128-row tiles, 0.27 GB with 128-key chunks, 0.54 GB with 64-key ones), and
+their construction's boolean temporaries.
 """
 
 from __future__ import annotations
@@ -49,8 +50,10 @@ from elasticfw.kernels import interpreting, next_pow2, unsupported_tensor
 
 __all__ = [
     "Tiles",
+    "WorkPlan",
     "block_layout_attention",
     "layout_selection",
+    "plan_work",
     "row_selection_attention",
     "unsupported",
     "unsupported_layout",
@@ -82,7 +85,7 @@ class Tiles:
 
 #: the defaults, the fastest of four measured on an H200 (bf16, head dim 128, 128-token blocks at 128K:
 #: 128 x 128 x 8 warps x 3 stages 334 ms at full density, 128 x 64 391 ms, 64 x 64 390 ms, 128 x 64 x 4
-#: warps 489 ms; results/bench/issue10-s5/density_triton.json). Layouts of 64-token blocks run 64-key chunks.
+#: warps 489 ms; results/bench/issue10-s5/density.json). Layouts of 64-token blocks run 64-key chunks.
 DEFAULT_TILES = Tiles()
 
 
@@ -188,6 +191,30 @@ def work_lists(
     clean_list, clean_count = _compact(clean)
     masked_list, masked_count = _compact(visit & ~clean)
     return clean_list, clean_count, masked_list, masked_count
+
+
+@dataclass(frozen=True)
+class WorkPlan:
+    """The work lists of one selection over one :class:`SeqInfo` for one tile shape (:func:`plan_work`),
+    kept by a caller that runs the same layout many times (the flex executor, for reusable layouts)."""
+
+    clean: torch.Tensor
+    clean_count: torch.Tensor
+    masked: torch.Tensor
+    masked_count: torch.Tensor
+    block_m: int
+    block_n: int
+
+
+def plan_work(selection: RowSelection, seq: SeqInfo, tiles: Tiles = DEFAULT_TILES) -> WorkPlan:
+    """:func:`work_lists` for ``tiles`` (raises :class:`~elasticfw.errors.BackendUnavailableError`
+    for a group size the kernel cannot chunk)."""
+    block_n = _chunk_size(selection.group_size, tiles.block_n)
+    if block_n is None:
+        raise BackendUnavailableError(
+            f"Triton block-sparse kernel: key group size {selection.group_size} is not a multiple of 16"
+        )
+    return WorkPlan(*work_lists(selection, seq, tiles.block_m, block_n), tiles.block_m, block_n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,6 +340,7 @@ def _attend(
     scale: float,
     keep_heads: torch.Tensor | None,
     tiles: Tiles,
+    plan: WorkPlan | None,
     caller: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     reason = unsupported(q)
@@ -333,11 +361,6 @@ def _attend(
             f"{caller}: q, k, v must share dtype and head dim; got {q.dtype}/{k.dtype}/{v.dtype}, "
             f"head dims {dim}/{k.shape[-1]}/{v.shape[-1]}"
         )
-    block_n = _chunk_size(selection.group_size, tiles.block_n)
-    if block_n is None:
-        raise BackendUnavailableError(
-            f"Triton {caller}: key group size {selection.group_size} is not a multiple of 16"
-        )
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(batch, hq, q_len, dtype=torch.float32, device=q.device)
     if batch * hq * q_len == 0:
@@ -348,7 +371,15 @@ def _attend(
         if keep_heads.dim() != 2 or keep_heads.shape[0] not in (1, batch) or keep_heads.shape[1] != hq:
             raise ValueError(f"{caller}: keep_heads must be (1 or {batch}, {hq}), got {tuple(keep_heads.shape)}")
         keep = keep_heads.to(torch.uint8).expand(batch, hq)
-    clean, n_clean, masked, n_masked = work_lists(selection, seq, tiles.block_m, block_n)
+    if plan is None:
+        plan = plan_work(selection, seq, tiles)
+    elif plan.block_m != tiles.block_m or plan.clean_count.shape != (batch, sel.shape[1], triton.cdiv(q_len, plan.block_m)):
+        raise ValueError(
+            f"{caller}: the work plan is for {plan.block_m}-row tiles and counts of shape "
+            f"{tuple(plan.clean_count.shape)}, not {tiles.block_m}-row tiles of this call"
+        )
+    clean, n_clean, masked, n_masked, block_n = (plan.clean, plan.clean_count, plan.masked, plan.masked_count,
+                                                 plan.block_n)
     sel_u8 = sel.view(torch.uint8) if sel.dtype == torch.bool else sel
     if sel_u8.shape[0] != batch:  # one table for every sample: stride 0 over the batch
         sel_u8 = sel_u8.expand(batch, *sel_u8.shape[1:])
@@ -377,13 +408,15 @@ def row_selection_attention(
     scale: float,
     keep_heads: torch.Tensor | None = None,
     tiles: Tiles = DEFAULT_TILES,
+    plan: WorkPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32) of attention under ``selection``
     (module docstring); ``q`` (B, Hq, Sq, D), ``k`` / ``v`` (B, Hkv, Sk, D), any strides.
     ``keep_heads`` (B or 1, Hq) bool: heads outside it compute nothing (zero output, ``-inf``
-    lse), as the flex executor's ``keep_heads``. Raises
+    lse), as the flex executor's ``keep_heads``. ``plan``: the work lists from :func:`plan_work`
+    for this selection, ``seq`` and ``tiles`` (built here when ``None``). Raises
     :class:`~elasticfw.errors.BackendUnavailableError` where :func:`unsupported` gives a reason."""
-    return _attend(q, k, v, selection, seq, scale, keep_heads, tiles, "row_selection_attention")
+    return _attend(q, k, v, selection, seq, scale, keep_heads, tiles, plan, "row_selection_attention")
 
 
 def block_layout_attention(
@@ -396,6 +429,7 @@ def block_layout_attention(
     scale: float,
     keep_heads: torch.Tensor | None = None,
     tiles: Tiles = DEFAULT_TILES,
+    plan: WorkPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`row_selection_attention` of ``layout``'s selection (:func:`layout_selection`: its row
     selection, or its blocks when it has no token mask). Raises
@@ -405,4 +439,5 @@ def block_layout_attention(
         raise BackendUnavailableError(f"Triton block_layout_attention: {reason}")
     selection = layout_selection(layout)
     assert selection is not None  # unsupported_layout said so
-    return row_selection_attention(q, k, v, selection, seq, scale=scale, keep_heads=keep_heads, tiles=tiles)
+    return row_selection_attention(q, k, v, selection, seq, scale=scale, keep_heads=keep_heads, tiles=tiles,
+                                   plan=plan)

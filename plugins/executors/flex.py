@@ -115,6 +115,13 @@ class FlexConfig(ExecutorConfig):
         "`auto` the kernel on CUDA for calls without autograd, except dense causal layouts (FlexAttention is as "
         "fast there), FlexAttention otherwise.",
     )
+    row_selection_strategy: Literal["tiles", "gather"] = Field(
+        "tiles",
+        description="How the Triton kernels run per-row selections without a window (per-token MoBA): "
+        "`tiles` (the block-sparse kernel: each 128-row tile over the union of its rows' selections) or "
+        "`gather` (elasticfw.kernels.gather_attention: per key group, the query rows that chose it, merged by "
+        "log-sum-exp; exactly the selected pairs).",
+    )
     sparse_kernel_tiles: tuple[int, int, int, int] | None = Field(
         None,
         description="The Triton block-sparse kernel's launch configuration [BLOCK_M, BLOCK_N, num_warps, "
@@ -220,8 +227,9 @@ class FlexExecutor(Executor):
 
     def __init__(self, config: FlexConfig | None = None) -> None:
         super().__init__(config)
-        #: converted BlockMasks of reusable layouts: key -> (layout, FlexMask), least recently used first
-        self._masks: OrderedDict[tuple, tuple[BlockLayout, FlexMask]] = OrderedDict()
+        #: what is derived from reusable layouts: key -> (layout, FlexMask or the Triton kernel's WorkPlan),
+        #: least recently used first
+        self._masks: OrderedDict[tuple, tuple[BlockLayout, Any]] = OrderedDict()
 
     @classmethod
     def availability(cls) -> str | None:
@@ -293,11 +301,7 @@ class FlexExecutor(Executor):
         ``sparse_kernel`` says so."""
         cfg = self.config
         if self._sparse_kernel(q, k, v, layout):
-            from elasticfw.kernels.block_sparse_attention import DEFAULT_TILES, Tiles, block_layout_attention
-
-            tiles = DEFAULT_TILES if cfg.sparse_kernel_tiles is None else Tiles(*cfg.sparse_kernel_tiles)
-            out, lse = block_layout_attention(q, k, v, layout, seq, scale=scale, keep_heads=keep_heads, tiles=tiles)
-            return AttentionOutput(out, lse)
+            return self._attend_triton(q, k, v, layout, seq, scale=scale, keep_heads=keep_heads)
         impl = self.implementation(q.device)
         kb = self.kernel_block_size(layout.block_size, impl, q.device)
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
@@ -350,6 +354,48 @@ class FlexExecutor(Executor):
         else:
             out, lse = self._run_compiled(qp, kp, vp, fm, scale)
         return AttentionOutput(fm.unpad_rows(out), fm.unpad_rows(lse).float())
+
+    def _attend_triton(
+        self, q, k, v, layout: BlockLayout, seq: SeqInfo, *, scale: float, keep_heads: torch.Tensor | None
+    ) -> AttentionOutput:
+        """The Triton block-sparse kernel over ``layout``; a reusable layout's work lists are built
+        once per SeqInfo signature and tile shape and kept beside the BlockMasks."""
+        from elasticfw.kernels.block_sparse_attention import (
+            DEFAULT_TILES,
+            Tiles,
+            block_layout_attention,
+            layout_selection,
+            plan_work,
+        )
+
+        cfg = self.config
+        tiles = DEFAULT_TILES if cfg.sparse_kernel_tiles is None else Tiles(*cfg.sparse_kernel_tiles)
+        if cfg.row_selection_strategy == "gather" and layout.row_selection is not None:
+            from elasticfw.kernels import gather_attention
+
+            if gather_attention.unsupported_selection(layout.row_selection) is None:
+                out, lse = gather_attention.gathered_selection_attention(
+                    q, k, v, layout.row_selection, seq, scale=scale, keep_heads=keep_heads, tiles=tiles
+                )
+                return AttentionOutput(out, lse)
+        plan = None
+        signature = seq.host_signature()
+        if layout.reusable and signature is not None:
+            key = ("triton", id(layout), signature, tiles)
+            hit = self._masks.get(key)
+            if hit is not None and hit[0] is layout:
+                self._masks.move_to_end(key)
+                plan = hit[1]
+            else:
+                selection = layout_selection(layout)
+                assert selection is not None  # _sparse_kernel checked unsupported_layout
+                plan = plan_work(selection, seq, tiles)
+                self._masks[key] = (layout, plan)
+                while len(self._masks) > MASK_CACHE_SIZE:
+                    self._masks.popitem(last=False)
+        out, lse = block_layout_attention(q, k, v, layout, seq, scale=scale, keep_heads=keep_heads, tiles=tiles,
+                                          plan=plan)
+        return AttentionOutput(out, lse)
 
     def _sparse_kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout) -> bool:
         """Whether ``layout`` runs through the Triton block-sparse kernel (``sparse_kernel``)."""

@@ -1,0 +1,279 @@
+"""Query-gather attention (Triton) for per-row key-group selections: upstream MoBA's varlen scheme.
+
+:mod:`elasticfw.kernels.block_sparse_attention` runs a tile of consecutive query rows over the
+union of their selections; for per-token MoBA (top-8 of 128 key groups per row at 128K) the union
+of 128 rows is about three times what each row selects. This module computes the same attention
+(a :class:`~elasticfw.attention.layout.RowSelection` with ``row_block = 1`` and no window: row
+``i`` at position ``p`` sees key ``j`` iff ``j <= p``, ``j < kv_len`` and it selected ``j``'s group)
+the other way round, as upstream MoBA does (``moba_attn_varlen``: per key block, the queries that
+chose it):
+
+* **Entries** (torch, :func:`gather_plan`): every selected (row, group) pair, with its *rank* (the
+  group's place among the row's selected groups, ascending), sorted by (rank, sample, table head,
+  group, row) and cut into tiles of up to ``BLOCK_M`` rows of one (rank, sample, head, group).
+* **Passes.** One launch per rank ``r`` (at most the largest number of groups a row selects, the
+  MoBA ``top_k``): each program gathers its tile's query rows, attends over its group's keys
+  (chunks wholly before the tile's first position unmasked, the rest masked by causality and
+  ``kv_len``) with an online softmax in base 2, and merges the partial result into the rows'
+  float32 accumulators (normalised output and natural-log ``lse``) by log-sum-exp. Within one
+  pass a row appears at most once, so the merge needs no atomics.
+
+The work is exactly the selected pairs (plus the masked part of each row's current group), at
+the cost of gathering the query rows and of one float32 accumulator read and write per selected
+group and row. Forward only. Memory beyond the inputs and the output: the accumulator (``4 * B *
+Hq * Sq * (D + 1)`` bytes: 2.2 GB at 128K tokens for 32 heads of 128) and the entries (``~24``
+bytes each: 0.2 GB for 8.4M at 128K).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from elasticfw.attention.layout import RowSelection
+from elasticfw.attention.seq import SeqInfo
+from elasticfw.errors import BackendUnavailableError
+from elasticfw.kernels import interpreting, next_pow2
+from elasticfw.kernels.block_sparse_attention import Tiles, unsupported
+
+__all__ = ["GatherPlan", "gather_plan", "gathered_selection_attention", "unsupported_selection"]
+
+#: tiles of the gathered rows: 128 rows, 128-key chunks, as the block-sparse kernel's defaults
+DEFAULT_TILES = Tiles(block_m=128, block_n=128, num_warps=8, num_stages=3)
+_LOG2E = 1.4426950408889634
+
+
+def unsupported_selection(selection: RowSelection) -> str | None:
+    """``None`` when :func:`gathered_selection_attention` computes ``selection``, else why not."""
+    if selection.row_block != 1:
+        return f"it gathers per-row selections (row_block 1), not rows of {selection.row_block} positions"
+    if selection.window > 0:
+        return "it does not run a sliding window"
+    return None
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    """Sorted entries and their tiles (module docstring)."""
+
+    rows: torch.Tensor  # (E,) int32 query row of each entry, in tile order
+    tile_start: torch.Tensor  # (T,) int32 first entry of each tile
+    tile_count: torch.Tensor  # (T,) int32 rows in each tile
+    tile_b: torch.Tensor  # (T,) int32
+    tile_h: torch.Tensor  # (T,) int32 table head
+    tile_g: torch.Tensor  # (T,) int32 key group
+    pass_bounds: list[int]  # tiles [pass_bounds[r], pass_bounds[r + 1]) belong to rank r
+
+
+def gather_plan(selection: RowSelection, batch: int, block_m: int) -> GatherPlan:
+    """The entries of ``selection`` (its table expanded to ``batch`` samples) in tiles of up to
+    ``block_m`` rows (module docstring). Reads the number of entries and of ranks from the device."""
+    sel = selection.selected
+    if sel.shape[0] != batch:
+        sel = sel.expand(batch, *sel.shape[1:])
+    _, heads, q_len, groups = sel.shape
+    device = sel.device
+    rank = sel.cumsum(-1, dtype=torch.int32) - 1  # place of each selected group among the row's
+    b, h, r, g = sel.nonzero(as_tuple=True)  # row-major: sorted by (b, h, r, g)
+    if b.numel() == 0:
+        empty = torch.zeros(0, dtype=torch.int32, device=device)
+        return GatherPlan(empty, empty, empty, empty, empty, empty, [0])
+    rk = rank[b, h, r, g].long()
+    segment = ((rk * batch + b) * heads + h) * groups + g  # (rank, sample, head, group)
+    order = (segment * q_len + r).argsort()
+    b, h, r, g, rk, segment = (t[order] for t in (b, h, r, g, rk, segment))
+    n = segment.numel()
+    index = torch.arange(n, device=device)
+    new_segment = torch.ones(n, dtype=torch.bool, device=device)
+    new_segment[1:] = segment[1:] != segment[:-1]
+    seg_first = torch.cummax(torch.where(new_segment, index, 0), 0).values  # first entry of the entry's segment
+    new_tile = new_segment | ((index - seg_first) % block_m == 0)
+    starts = new_tile.nonzero(as_tuple=True)[0]
+    counts = torch.diff(starts, append=torch.tensor([n], device=device))
+    tile_rank = rk[starts]
+    ranks = int(tile_rank[-1].item()) + 1
+    bounds = torch.searchsorted(tile_rank, torch.arange(ranks + 1, device=device)).tolist()
+    return GatherPlan(_int32(r), _int32(starts), _int32(counts), _int32(b[starts]), _int32(h[starts]),
+                      _int32(g[starts]), [int(x) for x in bounds])
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int32).contiguous()
+
+
+@triton.jit
+def _gather_pass_kernel(
+    q_ptr, k_ptr, v_ptr, rows_ptr, start_ptr, count_ptr, tb_ptr, th_ptr, tg_ptr, keep_ptr,
+    q_start_ptr, kv_len_ptr, acc_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_eb, stride_eh,
+    tile0, q_len, num_q_heads, group_size, kv_group, sel_group, qk_scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    t = tile0 + tl.program_id(0)
+    h = tl.load(th_ptr + t) * sel_group + tl.program_id(1)  # the query head
+    b = tl.load(tb_ptr + t)
+    grp = tl.load(tg_ptr + t)
+    first = tl.load(start_ptr + t)
+    kept = tl.load(keep_ptr + b.to(tl.int64) * stride_eb + h.to(tl.int64) * stride_eh) != 0
+    count = tl.where(kept, tl.load(count_ptr + t), 0)
+    m = tl.arange(0, BLOCK_M)
+    row_ok = m < count
+    i = tl.load(rows_ptr + first + m, mask=row_ok, other=0)
+    q_start = tl.load(q_start_ptr + b).to(tl.int32)
+    kv_len = tl.load(kv_len_ptr + b).to(tl.int32)
+    pos = q_start + i
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    qv = tl.load(q_base + i[:, None].to(tl.int64) * stride_qs + d[None, :] * stride_qd,
+                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:  # the interpreter multiplies 16-bit bit patterns as integers: upcast (exact)
+        qv = qv.to(tl.float32)
+    kh = h // kv_group
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + kh.to(tl.int64) * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + kh.to(tl.int64) * stride_vh
+    start = grp * group_size
+    stop = tl.minimum(start + group_size, kv_len)
+    pos_min = tl.min(tl.where(row_ok, pos, 2147483647), axis=0)
+    pos_max = tl.max(tl.where(row_ok, pos, -1), axis=0)
+    # chunks every row sees whole (rows ascend: the first row's position bounds them), then the rest
+    full_stop = start + tl.maximum(tl.minimum(stop, pos_min + 1) - start, 0) // BLOCK_N * BLOCK_N
+    full_stop = tl.where(count > 0, full_stop, start)
+    last = tl.where(count > 0, tl.minimum(stop, pos_max + 1), start)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D_PAD), tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for c0 in range(start, full_stop, BLOCK_N):
+        kpos = c0 + n
+        kt = tl.load(k_base + kpos[:, None].to(tl.int64) * stride_ks + d[None, :] * stride_kd,
+                     mask=d_ok[None, :], other=0.0)
+        vt = tl.load(v_base + kpos[:, None].to(tl.int64) * stride_vs + d[None, :] * stride_vd,
+                     mask=d_ok[None, :], other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            vt = vt.to(tl.float32)
+        if IEEE:
+            s = tl.dot(qv, tl.trans(kt), input_precision="ieee") * qk_scale
+        else:
+            s = tl.dot(qv, tl.trans(kt)) * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE or UPCAST:
+            acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        m_i = m_new
+    for c0 in range(full_stop, last, BLOCK_N):
+        kpos = c0 + n
+        k_in = kpos < stop
+        kt = tl.load(k_base + kpos[:, None].to(tl.int64) * stride_ks + d[None, :] * stride_kd,
+                     mask=k_in[:, None] & d_ok[None, :], other=0.0)
+        vt = tl.load(v_base + kpos[:, None].to(tl.int64) * stride_vs + d[None, :] * stride_vd,
+                     mask=k_in[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            vt = vt.to(tl.float32)
+        if IEEE:
+            s = tl.dot(qv, tl.trans(kt), input_precision="ieee") * qk_scale
+        else:
+            s = tl.dot(qv, tl.trans(kt)) * qk_scale
+        s = tl.where(k_in[None, :] & (kpos[None, :] <= pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - shift[:, None])
+        alpha = tl.exp2(m_i - shift)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE or UPCAST:
+            acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        m_i = m_new
+    # merge (acc / l_i, this partial's lse) into the rows' accumulators by log-sum-exp
+    seen = l_i > 0
+    part_lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    part = acc / tl.where(seen, l_i, 1.0)[:, None]
+    row_off = (b * num_q_heads + h).to(tl.int64) * q_len + i.to(tl.int64)
+    upd = row_ok & seen
+    old_lse = tl.load(lse_ptr + row_off, mask=upd, other=float("-inf"))
+    new_lse = tl.maximum(old_lse, part_lse)
+    base = tl.where(new_lse == float("-inf"), 0.0, new_lse)
+    w_old = tl.exp(old_lse - base)
+    w_new = tl.exp(part_lse - base)
+    total = w_old + w_new
+    new_lse = base + tl.log(tl.where(total > 0, total, 1.0))
+    acc_rows = acc_ptr + row_off[:, None] * HEAD_DIM + d[None, :]
+    old = tl.load(acc_rows, mask=upd[:, None] & d_ok[None, :], other=0.0)
+    merged = (old * w_old[:, None] + part * w_new[:, None]) / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(acc_rows, merged, mask=upd[:, None] & d_ok[None, :])
+    tl.store(lse_ptr + row_off, new_lse, mask=upd)
+
+
+def gathered_selection_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    selection: RowSelection,
+    seq: SeqInfo,
+    *,
+    scale: float,
+    keep_heads: torch.Tensor | None = None,
+    tiles: Tiles = DEFAULT_TILES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32) of attention under ``selection``,
+    what :func:`~elasticfw.kernels.block_sparse_attention.row_selection_attention` computes, by query
+    gathering (module docstring). Raises :class:`~elasticfw.errors.BackendUnavailableError` where
+    the kernel cannot run or :func:`unsupported_selection` gives a reason."""
+    reason = unsupported(q) or unsupported_selection(selection)
+    if reason is not None:
+        raise BackendUnavailableError(f"Triton gathered_selection_attention: {reason}")
+    seq.check(q, k)
+    batch, hq, q_len, dim = q.shape
+    sel = selection.selected
+    if sel.dim() != 4 or sel.shape[0] not in (1, batch) or sel.shape[2] != q_len or hq % sel.shape[1]:
+        raise ValueError(
+            f"gathered_selection_attention: selected must be (1 or B={batch}, H dividing {hq}, Sq={q_len}, G), got "
+            f"{tuple(sel.shape)}"
+        )
+    if k.dtype != q.dtype or v.dtype != q.dtype or v.shape[-1] != dim:
+        raise ValueError(
+            f"gathered_selection_attention: q, k, v must share dtype and head dim; got {q.dtype}/{k.dtype}/{v.dtype}"
+        )
+    if keep_heads is None:
+        keep = torch.ones(1, hq, dtype=torch.uint8, device=q.device).expand(batch, hq)
+    else:
+        if keep_heads.dim() != 2 or keep_heads.shape[0] not in (1, batch) or keep_heads.shape[1] != hq:
+            raise ValueError(
+                f"gathered_selection_attention: keep_heads must be (1 or {batch}, {hq}), got {tuple(keep_heads.shape)}"
+            )
+        keep = keep_heads.to(torch.uint8).expand(batch, hq)
+    acc = torch.zeros(batch, hq, q_len, dim, dtype=torch.float32, device=q.device)
+    lse = torch.full((batch, hq, q_len), float("-inf"), dtype=torch.float32, device=q.device)
+    if batch * hq * q_len == 0:
+        return acc.to(q.dtype), lse
+    plan = gather_plan(selection, batch, tiles.block_m)
+    heads_per_table = hq // sel.shape[1]
+    block_n = min(tiles.block_n, max(16, next_pow2(selection.group_size)))
+    for r in range(len(plan.pass_bounds) - 1):
+        lo, hi = plan.pass_bounds[r], plan.pass_bounds[r + 1]
+        if hi == lo:
+            continue
+        _gather_pass_kernel[(hi - lo, heads_per_table)](
+            q, k, v, plan.rows, plan.tile_start, plan.tile_count, plan.tile_b, plan.tile_h, plan.tile_g, keep,
+            seq.q_start.contiguous(), seq.kv_len.contiguous(), acc, lse,
+            *q.stride(), *k.stride(), *v.stride(), *keep.stride(),
+            lo, q_len, hq, selection.group_size, hq // k.shape[1], heads_per_table, scale * _LOG2E,
+            HEAD_DIM=dim, D_PAD=max(16, next_pow2(dim)), BLOCK_M=tiles.block_m, BLOCK_N=block_n,
+            IEEE=q.dtype == torch.float32, UPCAST=interpreting() and q.dtype != torch.float32,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )
+    return acc.to(q.dtype), lse

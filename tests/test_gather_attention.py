@@ -1,0 +1,112 @@
+"""Query-gather attention (elasticfw.kernels.gather_attention) under Triton's interpreter, against
+the float64 RowSelection definition of test_block_sparse_attention and through the flex executor
+on per-token MoBA layouts against the reference executor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elasticfw.attention.layout import RowSelection
+from elasticfw.attention.seq import SeqInfo
+from elasticfw.errors import BackendUnavailableError
+from elasticfw.kernels import triton_unavailable
+from tests.test_block_sparse_attention import _brute, _mode_layout, _seq
+
+pytestmark = pytest.mark.skipif(triton_unavailable(torch.device("cpu")) is not None, reason="needs Triton's interpreter")
+
+CASES = {
+    # name: (seq, Hq, Hkv, table heads, D, dtype, groups, group size, density, block_m)
+    "prefill": (lambda: SeqInfo.dense(1, 150, 150), 4, 2, 4, 32, torch.float32, 5, 32, 0.4, 32),
+    "gqa_table_per_kv_head": (lambda: SeqInfo.dense(1, 140, 140), 4, 2, 2, 16, torch.float32, 9, 16, 0.4, 16),
+    "right_padded": (lambda: _seq([0, 0], [130, 77], 130, 130), 2, 1, 2, 16, torch.float32, 5, 32, 0.5, 32),
+    "chunked_unaligned": (lambda: _seq([37, 50], [170, 110], 70, 170), 2, 2, 2, 24, torch.float32, 6, 32, 0.5, 16),
+    "decode": (lambda: _seq([149, 96], [150, 97], 1, 150), 4, 1, 4, 16, torch.float32, 10, 16, 0.5, 16),
+    "group_not_a_power_of_two": (lambda: SeqInfo.dense(1, 120, 120), 2, 1, 2, 16, torch.float32, 5, 24, 0.5, 16),
+    "dense_selection_many_ranks": (lambda: SeqInfo.dense(1, 96, 96), 2, 1, 1, 16, torch.float32, 6, 16, 0.9, 16),
+    "bf16": (lambda: SeqInfo.dense(1, 130, 130), 2, 1, 2, 32, torch.bfloat16, 5, 32, 0.4, 32),
+    "fp16": (lambda: _seq([5], [120], 100, 120), 2, 1, 1, 16, torch.float16, 8, 16, 0.4, 32),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gathered_attention_matches_the_definition(name):
+    from elasticfw.kernels.block_sparse_attention import Tiles
+    from elasticfw.kernels.gather_attention import gather_plan, gathered_selection_attention
+
+    make, hq, hkv, hs, dim, dtype, groups, gsize, density, bm = CASES[name]
+    seq = make()
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(seq.batch, hq, seq.q_len, dim, generator=g).to(dtype)
+    k = torch.randn(seq.batch, hkv, seq.kv_capacity, dim, generator=g).to(dtype)
+    v = torch.randn(seq.batch, hkv, seq.kv_capacity, dim, generator=g).to(dtype)
+    selected = torch.rand(seq.batch, hs, seq.q_len, groups, generator=g) < density  # future groups too
+    tiles = Tiles(block_m=bm, block_n=16, num_warps=4, num_stages=2)
+    out, lse = gathered_selection_attention(q, k, v, RowSelection(selected, gsize), seq, scale=dim**-0.5, tiles=tiles)
+    ref_out, ref_lse = _brute(q, k, v, selected, gsize, seq, dim**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=tol)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-5, atol=1e-4)
+    assert (out[~finite] == 0).all()
+    plan = gather_plan(RowSelection(selected, gsize), seq.batch, bm)
+    assert len(plan.pass_bounds) - 1 == int(selected.sum(-1).max())  # one pass per rank
+    assert int(plan.tile_count.sum()) == int(selected.sum()) and int(plan.tile_count.max()) <= bm
+
+
+def test_gather_plan_by_hand():
+    """Two rows, three groups: entries sorted by (rank, head, group, row), tiles of at most 2 rows."""
+    from elasticfw.kernels.gather_attention import gather_plan
+
+    selected = torch.tensor([[[[1, 0, 1], [1, 1, 0], [1, 0, 1]]]], dtype=torch.bool)  # rows 0-2
+    plan = gather_plan(RowSelection(selected, 4), 1, 2)
+    # rank 0: group 0 for rows 0, 1, 2 (tiles [0, 1], [2]); rank 1: group 1 row 1, group 2 rows 0, 2
+    assert plan.rows.tolist() == [0, 1, 2, 1, 0, 2]
+    assert plan.tile_g.tolist() == [0, 0, 1, 2] and plan.tile_count.tolist() == [2, 1, 1, 2]
+    assert plan.pass_bounds == [0, 2, 4]
+
+
+def test_keep_heads_and_unsupported_selections():
+    from elasticfw.kernels.gather_attention import gathered_selection_attention, unsupported_selection
+
+    seq = _seq([0, 10], [140, 130], 120, 140)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 120, 16, generator=g)
+    k = torch.randn(2, 2, 140, 16, generator=g)
+    v = torch.randn(2, 2, 140, 16, generator=g)
+    shared = torch.rand(1, 1, 120, 5, generator=g) < 0.5
+    keep = torch.tensor([[True, False, True, False]])
+    out, lse = gathered_selection_attention(q, k, v, RowSelection(shared, 32), seq, scale=0.25, keep_heads=keep)
+    ref_out, _ = _brute(q, k, v, shared, 32, seq, 0.25)
+    torch.testing.assert_close(out[:, [0, 2]].double(), ref_out[:, [0, 2]], rtol=1e-5, atol=1e-5)
+    assert (out[:, [1, 3]] == 0).all() and torch.isinf(lse[:, [1, 3]]).all()
+    assert "row_block" in unsupported_selection(RowSelection(shared, 32, row_block=16))
+    assert "window" in unsupported_selection(RowSelection(shared, 32, window=8))
+    with pytest.raises(BackendUnavailableError, match="window"):
+        gathered_selection_attention(q, k, v, RowSelection(shared, 32, window=8), seq, scale=0.25)
+
+
+@pytest.mark.parametrize("case", ["prefill", "padded", "decode"])
+def test_flex_executor_gathers_moba_token_layouts(case, monkeypatch):
+    from elasticfw.testing.modes import reference_executor
+    from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
+
+    kw = {"prefill": {}, "padded": {"kv_lens": [256, 171]}, "decode": {"kv_lens": [256, 150], "sq": 1}}[case]
+    q, k, v, seq, layout = _mode_layout("moba", {"moba_block_size": 32, "top_k": 3, "block_size": 16,
+                                                 "planner": "torch"}, **kw)
+    import elasticfw.kernels.gather_attention as ga
+
+    calls = []
+    real = ga.gathered_selection_attention
+    monkeypatch.setattr(ga, "gathered_selection_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    ex = FlexExecutor(FlexConfig(sparse_kernel="triton", row_selection_strategy="gather"))
+    with torch.no_grad():
+        got = ex.attend(q, k, v, layout, seq, scale=0.25)
+        ref = reference_executor().attend(q, k, v, layout, seq, scale=0.25)
+    assert calls == [1]
+    rows = seq.query_valid()[:, None, :].expand_as(ref.lse)
+    torch.testing.assert_close(got.out[rows], ref.out[rows], rtol=1e-5, atol=1e-5)
+    finite = torch.isfinite(ref.lse) & rows
+    torch.testing.assert_close(got.lse[finite], ref.lse[finite], rtol=1e-5, atol=1e-5)
