@@ -52,6 +52,7 @@ __all__ = [
     "Tiles",
     "WorkPlan",
     "block_layout_attention",
+    "check_inputs",
     "layout_selection",
     "plan_work",
     "row_selection_attention",
@@ -223,7 +224,7 @@ def plan_work(selection: RowSelection, seq: SeqInfo, tiles: Tiles = DEFAULT_TILE
 
 
 @triton.jit
-def _chunk(acc, m_i, l_i, qv, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, kpos, d, d_ok, ok,
+def attend_chunk(acc, m_i, l_i, qv, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, kpos, d, d_ok, ok,
            qk_scale, MASKED: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """One key chunk of the online softmax: ``ok`` (BLOCK_M, BLOCK_N) the pairs kept (MASKED only)."""
     rows = kpos.to(tl.int64)[:, None]
@@ -308,7 +309,7 @@ def _block_sparse_kernel(
     none = tl.zeros((BLOCK_M, BLOCK_N), tl.int1)
     for e in range(0, n_clean):  # chunks every row selects, wholly before the tile: no mask
         c = tl.load(clean_ptr + list_off + e * stride_lc)
-        acc, m_i, l_i = _chunk(acc, m_i, l_i, qv, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+        acc, m_i, l_i = attend_chunk(acc, m_i, l_i, qv, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
                                c * BLOCK_N + n, d, d_ok, none, qk_scale,
                                MASKED=False, EVEN_D=EVEN_D, IEEE=IEEE, UPCAST=UPCAST)
     for e in range(0, n_masked):
@@ -319,7 +320,7 @@ def _block_sparse_kernel(
         if WINDOW:
             seen_pair = seen_pair | (kpos[None, :] > pos[:, None] - window)
         ok = seen_pair & (kpos[None, :] <= pos[:, None]) & (kpos[None, :] < kv_len)
-        acc, m_i, l_i = _chunk(acc, m_i, l_i, qv, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+        acc, m_i, l_i = attend_chunk(acc, m_i, l_i, qv, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
                                tl.minimum(kpos, kv_len - 1), d, d_ok, ok, qk_scale,
                                MASKED=True, EVEN_D=EVEN_D, IEEE=IEEE, UPCAST=UPCAST)
     seen = l_i > 0
@@ -329,6 +330,42 @@ def _block_sparse_kernel(
     tl.store(o_base + i[:, None].to(tl.int64) * stride_os + d[None, :] * stride_od,
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(lse_ptr + (b * tl.num_programs(1) + h).to(tl.int64) * q_len + i, lse, mask=row_ok)
+
+
+def check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    selection: RowSelection,
+    seq: SeqInfo,
+    keep_heads: torch.Tensor | None,
+    caller: str,
+) -> torch.Tensor:
+    """Check a kernel call of this package's selection kernels (``caller`` names it); returns the
+    (B, Hq) uint8 heads to compute. Raises :class:`~elasticfw.errors.BackendUnavailableError`
+    where :func:`unsupported` gives a reason, ``ValueError`` for shapes that do not fit."""
+    reason = unsupported(q)
+    if reason is not None:
+        raise BackendUnavailableError(f"Triton {caller}: {reason}")
+    seq.check(q, k)
+    batch, hq, _, dim = q.shape
+    sel = selection.selected
+    rows = seq.num_query_blocks(selection.row_block)
+    if sel.shape[0] not in (1, batch) or sel.shape[2] != rows or hq % sel.shape[1]:
+        raise ValueError(
+            f"{caller}: the selection table must be (1 or B={batch}, H dividing {hq}, {rows} rows of "
+            f"{selection.row_block} positions, G), got {tuple(sel.shape)}"
+        )
+    if k.dtype != q.dtype or v.dtype != q.dtype or v.shape[-1] != dim:
+        raise ValueError(
+            f"{caller}: q, k, v must share dtype and head dim; got {q.dtype}/{k.dtype}/{v.dtype}, "
+            f"head dims {dim}/{k.shape[-1]}/{v.shape[-1]}"
+        )
+    if keep_heads is None:
+        return torch.ones(1, hq, dtype=torch.uint8, device=q.device).expand(batch, hq)
+    if keep_heads.dim() != 2 or keep_heads.shape[0] not in (1, batch) or keep_heads.shape[1] != hq:
+        raise ValueError(f"{caller}: keep_heads must be (1 or {batch}, {hq}), got {tuple(keep_heads.shape)}")
+    return keep_heads.to(torch.uint8).expand(batch, hq)
 
 
 def _attend(
@@ -343,34 +380,14 @@ def _attend(
     plan: WorkPlan | None,
     caller: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    reason = unsupported(q)
-    if reason is not None:
-        raise BackendUnavailableError(f"Triton {caller}: {reason}")
-    seq.check(q, k)
+    keep = check_inputs(q, k, v, selection, seq, keep_heads, caller)
     batch, hq, q_len, dim = q.shape
     hkv = k.shape[1]
     sel = selection.selected
-    rows = seq.num_query_blocks(selection.row_block)
-    if sel.shape[0] not in (1, batch) or sel.shape[2] != rows or hq % sel.shape[1]:
-        raise ValueError(
-            f"{caller}: the selection table must be (1 or B={batch}, H dividing {hq}, {rows} rows of "
-            f"{selection.row_block} positions, G), got {tuple(sel.shape)}"
-        )
-    if k.dtype != q.dtype or v.dtype != q.dtype or v.shape[-1] != dim:
-        raise ValueError(
-            f"{caller}: q, k, v must share dtype and head dim; got {q.dtype}/{k.dtype}/{v.dtype}, "
-            f"head dims {dim}/{k.shape[-1]}/{v.shape[-1]}"
-        )
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(batch, hq, q_len, dtype=torch.float32, device=q.device)
     if batch * hq * q_len == 0:
         return out, lse
-    if keep_heads is None:
-        keep = torch.ones(1, hq, dtype=torch.uint8, device=q.device).expand(batch, hq)
-    else:
-        if keep_heads.dim() != 2 or keep_heads.shape[0] not in (1, batch) or keep_heads.shape[1] != hq:
-            raise ValueError(f"{caller}: keep_heads must be (1 or {batch}, {hq}), got {tuple(keep_heads.shape)}")
-        keep = keep_heads.to(torch.uint8).expand(batch, hq)
     if plan is None:
         plan = plan_work(selection, seq, tiles)
     elif plan.block_m != tiles.block_m or plan.clean_count.shape != (batch, sel.shape[1], triton.cdiv(q_len, plan.block_m)):

@@ -37,7 +37,7 @@ from elasticfw.attention.layout import RowSelection
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
 from elasticfw.kernels import interpreting, next_pow2
-from elasticfw.kernels.block_sparse_attention import Tiles, unsupported
+from elasticfw.kernels.block_sparse_attention import Tiles, attend_chunk, check_inputs
 
 __all__ = ["GatherPlan", "gather_plan", "gathered_selection_attention", "unsupported_selection"]
 
@@ -131,6 +131,7 @@ def _gather_pass_kernel(
     pos = q_start + i
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
+    EVEN_D: tl.constexpr = HEAD_DIM == D_PAD
     q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     qv = tl.load(q_base + i[:, None].to(tl.int64) * stride_qs + d[None, :] * stride_qd,
                  mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -151,53 +152,17 @@ def _gather_pass_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D_PAD), tl.float32)
     n = tl.arange(0, BLOCK_N)
+    none = tl.zeros((BLOCK_M, BLOCK_N), tl.int1)
     for c0 in range(start, full_stop, BLOCK_N):
-        kpos = c0 + n
-        kt = tl.load(k_base + kpos[:, None].to(tl.int64) * stride_ks + d[None, :] * stride_kd,
-                     mask=d_ok[None, :], other=0.0)
-        vt = tl.load(v_base + kpos[:, None].to(tl.int64) * stride_vs + d[None, :] * stride_vd,
-                     mask=d_ok[None, :], other=0.0)
-        if UPCAST:
-            kt = kt.to(tl.float32)
-            vt = vt.to(tl.float32)
-        if IEEE:
-            s = tl.dot(qv, tl.trans(kt), input_precision="ieee") * qk_scale
-        else:
-            s = tl.dot(qv, tl.trans(kt)) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE or UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-        m_i = m_new
+        acc, m_i, l_i = attend_chunk(acc, m_i, l_i, qv, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+                               c0 + n, d, d_ok, none, qk_scale,
+                               MASKED=False, EVEN_D=EVEN_D, IEEE=IEEE, UPCAST=UPCAST)
     for c0 in range(full_stop, last, BLOCK_N):
         kpos = c0 + n
-        k_in = kpos < stop
-        kt = tl.load(k_base + kpos[:, None].to(tl.int64) * stride_ks + d[None, :] * stride_kd,
-                     mask=k_in[:, None] & d_ok[None, :], other=0.0)
-        vt = tl.load(v_base + kpos[:, None].to(tl.int64) * stride_vs + d[None, :] * stride_vd,
-                     mask=k_in[:, None] & d_ok[None, :], other=0.0)
-        if UPCAST:
-            kt = kt.to(tl.float32)
-            vt = vt.to(tl.float32)
-        if IEEE:
-            s = tl.dot(qv, tl.trans(kt), input_precision="ieee") * qk_scale
-        else:
-            s = tl.dot(qv, tl.trans(kt)) * qk_scale
-        s = tl.where(k_in[None, :] & (kpos[None, :] <= pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - shift[:, None])
-        alpha = tl.exp2(m_i - shift)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE or UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-        m_i = m_new
+        ok = (kpos[None, :] < stop) & (kpos[None, :] <= pos[:, None])
+        acc, m_i, l_i = attend_chunk(acc, m_i, l_i, qv, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+                               tl.minimum(kpos, stop - 1), d, d_ok, ok, qk_scale,
+                               MASKED=True, EVEN_D=EVEN_D, IEEE=IEEE, UPCAST=UPCAST)
     # merge (acc / l_i, this partial's lse) into the rows' accumulators by log-sum-exp
     seen = l_i > 0
     part_lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -233,29 +198,12 @@ def gathered_selection_attention(
     what :func:`~elasticfw.kernels.block_sparse_attention.row_selection_attention` computes, by query
     gathering (module docstring). Raises :class:`~elasticfw.errors.BackendUnavailableError` where
     the kernel cannot run or :func:`unsupported_selection` gives a reason."""
-    reason = unsupported(q) or unsupported_selection(selection)
+    reason = unsupported_selection(selection)
     if reason is not None:
         raise BackendUnavailableError(f"Triton gathered_selection_attention: {reason}")
-    seq.check(q, k)
+    keep = check_inputs(q, k, v, selection, seq, keep_heads, "gathered_selection_attention")
     batch, hq, q_len, dim = q.shape
     sel = selection.selected
-    if sel.dim() != 4 or sel.shape[0] not in (1, batch) or sel.shape[2] != q_len or hq % sel.shape[1]:
-        raise ValueError(
-            f"gathered_selection_attention: selected must be (1 or B={batch}, H dividing {hq}, Sq={q_len}, G), got "
-            f"{tuple(sel.shape)}"
-        )
-    if k.dtype != q.dtype or v.dtype != q.dtype or v.shape[-1] != dim:
-        raise ValueError(
-            f"gathered_selection_attention: q, k, v must share dtype and head dim; got {q.dtype}/{k.dtype}/{v.dtype}"
-        )
-    if keep_heads is None:
-        keep = torch.ones(1, hq, dtype=torch.uint8, device=q.device).expand(batch, hq)
-    else:
-        if keep_heads.dim() != 2 or keep_heads.shape[0] not in (1, batch) or keep_heads.shape[1] != hq:
-            raise ValueError(
-                f"gathered_selection_attention: keep_heads must be (1 or {batch}, {hq}), got {tuple(keep_heads.shape)}"
-            )
-        keep = keep_heads.to(torch.uint8).expand(batch, hq)
     acc = torch.zeros(batch, hq, q_len, dim, dtype=torch.float32, device=q.device)
     lse = torch.full((batch, hq, q_len), float("-inf"), dtype=torch.float32, device=q.device)
     if batch * hq * q_len == 0:
