@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_block_sparse_attention import _brute, _mode_layout, _seq
 
 from elasticfw.attention.layout import RowSelection
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
 from elasticfw.kernels import triton_unavailable
-from test_block_sparse_attention import _brute, _mode_layout, _seq
 
 pytestmark = pytest.mark.skipif(triton_unavailable(torch.device("cpu")) is not None, reason="needs Triton's interpreter")
 
