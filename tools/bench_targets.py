@@ -39,6 +39,10 @@ Before them ``--steps gpu-tests`` runs the GPU tests of the kernels (``pytest -m
    to 128, each through FlexAttention (``sparse_kernel=flex``); and per-token MoBA through the
    Triton block-sparse kernel with 64-row tiles (``sparse_kernel_tiles``).
 
+7. ``variants/kernel_timing.json`` (only with ``--steps kernels``): ``tools/sparse_kernel_timing.py
+   --profile``, per mode the Triton kernels' work lists, kernel and whole call, the gather path,
+   and profiler tables (where the per-token MoBA time goes).
+
 then ``targets``. ``demo-cpu`` times the old CPU demo (``results/demo-cpu.json``: ``elasticfw
 compare`` on the embedded SmolLM2-135M, passkey at 1,440 tokens, 20 samples, batch 4, 8 new tokens;
 full attention vs every head streaming with sink 64 / local 256), ``--executor`` (default
@@ -102,6 +106,8 @@ def gpu(args: argparse.Namespace) -> int:
         "gpu-tests": [py, "-m", "pytest", "tests/test_gpu.py", "tests/test_router_fused.py", "tests/test_xattention_triton.py",
          "tests/test_moba_triton.py", "tests/test_nsa_triton.py", "tests/test_block_sparse_gpu.py", "-m", "gpu", "-q",
          "-p", "no:cacheprovider", "--junitxml", str(out / "gpu_tests.xml")],
+        "kernels": [py, str(Path(__file__).with_name("sparse_kernel_timing.py")), "--profile", "--json",
+                    str(out / "variants" / "kernel_timing.json")],
         "density": [py, "-m", "elasticfw.bench.density", "--seq", "131072", "--tiles", "128,128,8,2", "--triton",
          "128,128,8,3", "128,64,8,3", "--overwrite", "--out", str(out / "density.json")],
     }
@@ -196,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--out", type=Path, default=Path("results/bench/issue10"))
     g.add_argument("--layers", type=int, default=4, help="decoder layers of the model prefill (of 32)")
     g.add_argument("--with-qwen", action="store_true", help="also the Qwen3-8B shape in the prefill benchmark")
-    g.add_argument("--steps", nargs="+", choices=["gpu-tests", "attention", "router", "prefill", "decode", "density", "variants"],
+    g.add_argument("--steps", nargs="+", choices=["gpu-tests", "attention", "router", "prefill", "decode", "density", "variants", "kernels"],
                    default=["attention", "router", "prefill", "density"],
                    help="which benchmarks to run (one call each when a command has a time limit)")
     g.set_defaults(func=gpu)

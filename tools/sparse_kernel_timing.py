@@ -1,0 +1,141 @@
+"""Where the Triton sparse-attention kernels spend their time, per mode, on a CUDA device.
+
+    python tools/sparse_kernel_timing.py --json results/bench/kernel_timing.json      # 128K, Llama-3.1-8B shape
+    python tools/sparse_kernel_timing.py --tokens 32768 --modes moba --profile
+
+For each mode's default layout on the attention benchmark's structured q/k (XAttention, NSA,
+streaming: block layouts; MoBA: per-token row selection), prints the median of ``--repeats``
+CUDA-event-timed calls against one dense causal cuDNN SDPA layer:
+
+* ``plan`` — the block-sparse kernel's work lists alone (``plan_work``), and ``kernel`` — the
+  kernel with those lists given (what a reusable layout costs per layer), and ``call`` — both;
+* for a row selection without a window (per-token MoBA): ``gather plan`` (``gather_plan``) and
+  ``gather call`` (``gathered_selection_attention``), with the key chunks each tile visits against
+  the keys each row sees, in chunks (``chunk_ratio``: how much the tile union costs);
+* with ``--tiles BM,BN,WARPS,STAGES ...`` the kernel under those launch configurations.
+
+``--profile`` prints a ``torch.profiler`` table of each call (the GPU kernels and torch ops of the
+lists). ``--json FILE`` also writes the figures with the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from xattention_planning_timing import (  # tools/ is the script's folder: sys.path[0]
+    add_shape_arguments,
+    timed,
+)
+
+from elasticfw.attention.seq import SeqInfo
+from elasticfw.bench.inputs import structured_qkv
+from elasticfw.provenance import environment
+from elasticfw.testing.modes import make_mode
+
+
+def _tiles(spec: str):  # type: ignore[no-untyped-def]
+    from elasticfw.kernels.block_sparse_attention import Tiles
+
+    bm, bn, warps, stages = (int(x) for x in spec.split(","))
+    return Tiles(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_arguments(p)
+    p.add_argument("--modes", nargs="+", default=["xattention", "nsa", "moba", "streaming"])
+    p.add_argument("--tiles", nargs="*", default=[], metavar="BM,BN,WARPS,STAGES")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    from elasticfw.kernels import block_sparse_attention as bsa
+    from elasticfw.kernels import gather_attention as ga
+
+    n, hq, hkv, d = args.tokens, args.query_heads, args.kv_heads, args.head_dim
+    q, k, v = (t.to("cuda", torch.bfloat16) for t in structured_qkv(1, hq, hkv, n, d, seed=0))
+    seq = SeqInfo.dense(1, n, n, device="cuda")
+    scale = d**-0.5
+    kr, vr = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+
+    def dense() -> torch.Tensor:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=True)
+
+    results: dict[str, float] = {}
+    notes: dict[str, float] = {}
+    profiles = []
+    with torch.no_grad():
+        results["dense cuDNN SDPA layer"] = timed(dense, args.repeats)
+        for name in args.modes:
+            layout = make_mode(name, {}).build_layout(q, k, seq)
+            reason = bsa.unsupported_layout(layout)
+            if reason is not None:
+                print(f"{name}: not a layout the kernel takes ({reason})")
+                continue
+            selection = bsa.layout_selection(layout)
+            assert selection is not None
+            plan = bsa.plan_work(selection, seq)
+            results[f"{name}: plan"] = timed(lambda s=selection: bsa.plan_work(s, seq), args.repeats)
+            results[f"{name}: kernel"] = timed(
+                lambda s=selection, w=plan: bsa.row_selection_attention(q, k, v, s, seq, scale=scale, plan=w),
+                args.repeats)
+            results[f"{name}: call"] = timed(
+                lambda s=selection: bsa.row_selection_attention(q, k, v, s, seq, scale=scale), args.repeats)
+            calls = [(f"{name} tiles", lambda s=selection: bsa.row_selection_attention(q, k, v, s, seq, scale=scale))]
+            for spec in args.tiles:
+                tiles = _tiles(spec)
+                results[f"{name}: call, tiles {spec}"] = timed(
+                    lambda s=selection, t=tiles: bsa.row_selection_attention(q, k, v, s, seq, scale=scale, tiles=t),
+                    args.repeats)
+            if ga.unsupported_selection(selection) is None:
+                # the keys each row sees: of every selected group, the part at or before the row
+                starts = torch.arange(selection.selected.shape[-1], device=q.device) * selection.group_size
+                seen = (torch.arange(n, device=q.device)[:, None] + 1 - starts[None, :]).clamp(0, selection.group_size)
+                keys = torch.einsum("bhsg,sg->bhs", selection.selected.float(), seen.float())
+                per_row = keys.mean().item() / plan.block_n
+                per_tile = (plan.clean_count + plan.masked_count).float().mean().item()
+                notes[f"{name}: key chunks per tile (union)"] = per_tile
+                notes[f"{name}: key chunks per row (selected)"] = per_row
+                notes[f"{name}: chunk_ratio"] = per_tile / per_row
+                results[f"{name}: gather plan"] = timed(
+                    lambda s=selection: ga.gather_plan(s, 1, ga.DEFAULT_TILES.block_m), args.repeats)
+                results[f"{name}: gather call"] = timed(
+                    lambda s=selection: ga.gathered_selection_attention(q, k, v, s, seq, scale=scale), args.repeats)
+                calls.append((f"{name} gather",
+                              lambda s=selection: ga.gathered_selection_attention(q, k, v, s, seq, scale=scale)))
+            if args.profile:
+                from torch.profiler import ProfilerActivity, profile
+
+                for label, fn in calls:
+                    fn()
+                    torch.cuda.synchronize()
+                    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                        fn()
+                        torch.cuda.synchronize()
+                    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+                    print(f"-- profile: {label}\n{table}")
+                    profiles.append({"call": label, "table": table})
+            del layout, selection, plan
+            torch.cuda.empty_cache()
+    base = results["dense cuDNN SDPA layer"]
+    print(f"{torch.cuda.get_device_name()}: B=1, {n} tokens, Hq={hq}, Hkv={hkv}, d={d}, bf16, structured inputs")
+    for name, ms in results.items():
+        print(f"{name:44s} {ms:9.2f} ms  {ms / base:6.3f}x dense")
+    for name, value in notes.items():
+        print(f"{name}: {value:.3g}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        report = {"benchmark": "sparse_kernel_timing", "environment": environment(q.device), "tokens": n,
+                  "ms": results, "ratio_vs_dense": {k_: ms / base for k_, ms in results.items()}, "notes": notes,
+                  "profiles": profiles}
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
