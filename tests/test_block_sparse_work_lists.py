@@ -102,3 +102,16 @@ def test_work_lists_follow_the_definition(case):
                         # definition leaves clean by position (every row's keys below the first row's)
                         first = int(seq.q_start[b]) + rows[0]
                         assert not (keys[-1] <= first and keys[-1] < int(seq.kv_len[b])), (b, h, t, c)
+
+
+def test_index_lists_by_hand_and_against_nonzero():
+    """The compaction every block list uses (FlexAttention's BlockMask, the kernel's work lists)."""
+    from elasticfw.attention.layout import BlockLayout, index_lists, kv_block_lists
+
+    count, idx = index_lists(torch.tensor([[0, 1, 1, 0, 1], [0, 0, 0, 0, 0]], dtype=torch.bool))
+    assert count.tolist() == [3, 0] and idx.tolist() == [[1, 2, 4, 0, 0], [0, 0, 0, 0, 0]]
+    assert count.dtype == idx.dtype == torch.int32
+    mask = torch.rand(2, 3, 7, 40, generator=torch.Generator().manual_seed(0)) < 0.3
+    count, idx = kv_block_lists(BlockLayout(mask, 16))
+    for row, n, li in zip(mask.reshape(-1, 40), count.reshape(-1), idx.reshape(-1, 40)):
+        assert li[:n].tolist() == row.nonzero().flatten().tolist()

@@ -21,14 +21,13 @@ import json
 from pathlib import Path
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from xattention_planning_timing import (  # tools/ is the script's folder: sys.path[0]
     add_shape_arguments,
+    dense_layer,
+    structured_layer,
     timed,
 )
 
-from elasticfw.attention.seq import SeqInfo
-from elasticfw.bench.inputs import structured_qkv
 from elasticfw.provenance import environment
 from elasticfw.testing.modes import make_mode
 
@@ -41,19 +40,11 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--profile", action="store_true", help="also print a torch.profiler table of each Triton planner")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA device")
+    q, k, v, seq = structured_layer(args)
     n, hq, hkv, d = args.tokens, args.query_heads, args.kv_heads, args.head_dim
-    q, k, v = (t.to("cuda", torch.bfloat16) for t in structured_qkv(1, hq, hkv, n, d, seed=0))
-    seq = SeqInfo.dense(1, n, n, device="cuda")
+    dense = dense_layer(q, k, v)
     results: dict[str, float] = {}
     notes: dict[str, float | int] = {}
-    kr, vr = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
-
-    def dense() -> torch.Tensor:
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            return torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=True)
-
     with torch.no_grad():
         results["dense cuDNN SDPA layer"] = timed(dense, args.repeats)
         nsa = {b: make_mode("nsa", {"scorer": b}) for b in ("torch", "triton")}

@@ -25,14 +25,13 @@ import json
 from pathlib import Path
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from xattention_planning_timing import (  # tools/ is the script's folder: sys.path[0]
     add_shape_arguments,
+    dense_layer,
+    structured_layer,
     timed,
 )
 
-from elasticfw.attention.seq import SeqInfo
-from elasticfw.bench.inputs import structured_qkv
 from elasticfw.provenance import environment
 from elasticfw.testing.modes import make_mode
 
@@ -52,20 +51,12 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA device")
+    q, k, v, seq = structured_layer(args)
+    n, hq, hkv, d = args.tokens, args.query_heads, args.kv_heads, args.head_dim
+    dense = dense_layer(q, k, v)
+    scale = d**-0.5
     from elasticfw.kernels import block_sparse_attention as bsa
     from elasticfw.kernels import gather_attention as ga
-
-    n, hq, hkv, d = args.tokens, args.query_heads, args.kv_heads, args.head_dim
-    q, k, v = (t.to("cuda", torch.bfloat16) for t in structured_qkv(1, hq, hkv, n, d, seed=0))
-    seq = SeqInfo.dense(1, n, n, device="cuda")
-    scale = d**-0.5
-    kr, vr = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
-
-    def dense() -> torch.Tensor:
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            return torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=True)
 
     results: dict[str, float] = {}
     notes: dict[str, float] = {}

@@ -39,6 +39,31 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+def structured_layer(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, SeqInfo]:
+    """q, k, v (bf16 on CUDA) of the attention benchmark's structured inputs at ``args``' shape
+    (:func:`add_shape_arguments`), and their dense SeqInfo; exits without a CUDA device."""
+    from elasticfw.bench.inputs import structured_qkv
+
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    n, hq, hkv, d = args.tokens, args.query_heads, args.kv_heads, args.head_dim
+    q, k, v = (t.to("cuda", torch.bfloat16) for t in structured_qkv(1, hq, hkv, n, d, seed=0))
+    return q, k, v, SeqInfo.dense(1, n, n, device="cuda")
+
+
+def dense_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """One dense causal cuDNN SDPA layer over ``q`` and ``k`` / ``v`` repeated to the query heads
+    (outside the timed call)."""
+    group = q.shape[1] // k.shape[1]
+    kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+
+    def dense() -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=True)
+
+    return dense
+
+
 def add_shape_arguments(p: argparse.ArgumentParser) -> None:
     """The layer shape and repeats both planning-timing tools take (defaults: Llama-3.1-8B, 128K)."""
     p.add_argument("--tokens", type=int, default=131072)

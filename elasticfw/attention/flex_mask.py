@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from elasticfw.attention.layout import BlockLayout, expand_heads, rescale
+from elasticfw.attention.layout import BlockLayout, expand_heads, index_lists, rescale
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import UnsupportedInputError
 
@@ -122,19 +122,6 @@ def default_kernel_block_size(layout_block_size: int, preferred: int = 128) -> i
     if layout_block_size % preferred == 0 or preferred % layout_block_size == 0:
         return preferred
     return layout_block_size
-
-
-def _block_lists(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """FlexAttention's ordered format of a (B, H, NQB, NKB) bool tile mask, in O(N): the selected
-    key blocks first, ascending (the entries past ``num`` are unused and left 0)."""
-    nkb = mask.shape[-1]
-    num = mask.sum(-1, dtype=torch.int32)
-    slot = mask.cumsum(-1, dtype=torch.int32) - 1
-    slot = torch.where(mask, slot, torch.full_like(slot, nkb)).long()
-    cols = torch.arange(nkb, device=mask.device, dtype=torch.int32).expand(mask.shape)
-    indices = torch.zeros(*mask.shape[:-1], nkb + 1, dtype=torch.int32, device=mask.device)
-    indices.scatter_(-1, slot, cols)
-    return num.contiguous(), indices[..., :nkb].contiguous()
 
 
 def to_block_mask(
@@ -247,8 +234,8 @@ def to_block_mask(
 
     from torch.nn.attention.flex_attention import BlockMask
 
-    num, idx = _block_lists(partial_tiles)
-    full_num, full_idx = _block_lists(full)
+    num, idx = index_lists(partial_tiles)
+    full_num, full_idx = index_lists(full)
     block_mask = BlockMask.from_kv_blocks(
         num,
         idx,

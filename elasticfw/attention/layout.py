@@ -409,14 +409,21 @@ def esr(layout: BlockLayout, seq: SeqInfo, num_heads: int | None = None) -> torc
     return 1.0 - density(layout, seq, num_heads)
 
 
+def index_lists(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count (...) int32, indices (..., N) int32) of a (..., N) bool: the set entries' indices
+    first, ascending; entries past ``count`` are 0. O(N) (a cumulative sum and a scatter, no sort):
+    FlexAttention's ``kv_num_blocks`` / ``kv_indices`` format, and the block-sparse kernel's work
+    lists."""
+    n = mask.shape[-1]
+    count = mask.sum(-1, dtype=torch.int32)
+    slot = torch.where(mask, mask.cumsum(-1, dtype=torch.int32) - 1, n).long()  # unset entries to a spare slot
+    cols = torch.arange(n, device=mask.device, dtype=torch.int32).expand(mask.shape)
+    indices = torch.zeros(*mask.shape[:-1], n + 1, dtype=torch.int32, device=mask.device)
+    indices.scatter_(-1, slot, cols)
+    return count.contiguous(), indices[..., :n].contiguous()
+
+
 def kv_block_lists(layout: BlockLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """FlexAttention's format: ``kv_num_blocks`` (B,H,NQB) int32 and ``kv_indices`` (B,H,NQB,NKB) int32,
-    the selected key blocks first, in ascending order."""
-    blocks = layout.blocks
-    num = blocks.sum(-1, dtype=torch.int32)
-    nkb = blocks.shape[-1]
-    ar = torch.arange(nkb, device=blocks.device, dtype=torch.int32)
-    # selected blocks sort first (key 0..nkb-1), the rest after (key nkb..2nkb-1)
-    keys = torch.where(blocks, ar, ar + nkb)
-    indices = keys.argsort(dim=-1, stable=True).to(torch.int32)
-    return num, indices
+    the selected key blocks first, in ascending order (:func:`index_lists` of ``layout.blocks``)."""
+    return index_lists(layout.blocks)

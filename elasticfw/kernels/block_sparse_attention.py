@@ -21,8 +21,8 @@ and values head ``h // (Hq / Hkv)`` (GQA without copying K/V). That covers:
   wholly at or before the tile's first position and below ``kv_len``: no mask at all), and
   *masked* chunks, the rest of what the tile's rows see, up to its causal limit and ``kv_len``
   (masked by the rows' flags and window, causality and ``kv_len``). So a tile computes only what
-  its rows select, and evaluates no mask function. Lists are compacted by a cumulative sum and a
-  scatter, not sorted.
+  its rows select, and evaluates no mask function. Lists are compacted by
+  :func:`~elasticfw.attention.layout.index_lists` (a cumulative sum and a scatter, not a sort).
 * **Kernel.** One program per (tile, query head, sample), FlashAttention-style: an online
   softmax in base 2 over the clean list, then the masked list; 16-bit ``q . k`` and ``p . v`` on
   tensor cores with float32 accumulation (float32 inputs in IEEE float32).
@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from elasticfw.attention.layout import BlockLayout, RowSelection
+from elasticfw.attention.layout import BlockLayout, RowSelection, index_lists
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
 from elasticfw.kernels import interpreting, next_pow2, unsupported_tensor
@@ -135,17 +135,6 @@ def unsupported_layout(layout: BlockLayout, tiles: Tiles = DEFAULT_TILES) -> str
 # ---------------------------------------------------------------------------------------------
 
 
-def _compact(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lists, counts) of a (..., N) bool: the indices of the set entries first, ascending (int32)."""
-    n = flags.shape[-1]
-    counts = flags.sum(-1, dtype=torch.int32)
-    slot = torch.where(flags, flags.cumsum(-1, dtype=torch.int32) - 1, n)  # unset entries to a spare slot
-    lists = torch.zeros(*flags.shape[:-1], n + 1, dtype=torch.int32, device=flags.device)
-    ids = torch.arange(n, dtype=torch.int32, device=flags.device).expand_as(flags)
-    lists.scatter_(-1, slot.long(), ids)
-    return lists[..., :n], counts
-
-
 def work_lists(
     selection: RowSelection, seq: SeqInfo, block_m: int, block_n: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -189,8 +178,8 @@ def work_lists(
         common = common | (start > pos1[..., None] - selection.window)[:, None]  # whole, from every row
     visit = union & reach[:, None]
     clean = common & whole[:, None] & visit
-    clean_list, clean_count = _compact(clean)
-    masked_list, masked_count = _compact(visit & ~clean)
+    clean_count, clean_list = index_lists(clean)
+    masked_count, masked_list = index_lists(visit & ~clean)
     return clean_list, clean_count, masked_list, masked_count
 
 
