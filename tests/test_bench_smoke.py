@@ -92,3 +92,36 @@ def test_flex_set_reaches_the_flex_executor(tmp_path):
         "implementation": "auto", "kernel_options": {"BLOCK_M": 64}}
     with pytest.raises(pydantic.ValidationError, match="no_such_field"):
         bench._executor("flex", **bench._flex_config(bench.parse_args(["--out", "x", "--flex-set", "no_such_field=1"])))
+
+
+@pytest.mark.skipif(not __import__("elasticfw.kernels", fromlist=["interpreting"]).interpreting(),
+                    reason="needs Triton's interpreter")
+def test_forward_only_checks_and_flex_set_under_split(tmp_path, monkeypatch):
+    """``--no-backward`` checks outputs without gradients, so an inference-only kernel can be
+    checked (the flex checks run the Triton kernel here, under the interpreter); ``--flex-set``
+    also reaches split's nested flex options (its sparse path on a GPU)."""
+    import elasticfw.kernels.block_sparse_attention as bsa
+
+    calls = []
+    real = bsa.block_layout_attention
+    monkeypatch.setattr(bsa, "block_layout_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    made = {}
+    real_executor = bench._executor
+
+    def executor(name, **config):
+        made[name] = real_executor(name, **config)
+        return made[name]
+
+    monkeypatch.setattr(bench, "_executor", executor)
+    out = tmp_path / "bench.json"
+    rc = bench.main([*TINY, *FAST, "--seq", "64", "--check-seq", "96", "--no-backward", "--no-hybrid",
+                     "--executors", "flex", "split", "--modes", "streaming",
+                     "--set", "streaming.block_size=16", "--set", "streaming.sink_tokens=16",
+                     "--set", "streaming.local_tokens=32", "--flex-set", "sparse_kernel=triton", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert rc == 0, data["failures"]
+    checks = [r for r in data["results"] if r["kind"] == "check"]
+    assert {r["name"] for r in checks} >= {"check:streaming:prefill", "check:split:streaming:routed_scattered"}
+    assert all(r["error"] is None and r["grad_rel_rms"] == {} and r["out_rel_rms"] < 1e-5 for r in checks)
+    assert calls  # the flex checks and timings ran the kernel
+    assert made["split"].config.flex_config().sparse_kernel == "triton"

@@ -428,3 +428,23 @@ def test_reusable_layouts_plan_their_work_once(monkeypatch):
     with pytest.raises(ValueError, match="work plan"):
         bsa.block_layout_attention(q, k, v, layout, seq, scale=0.25, plan=real(bsa.layout_selection(layout), seq),
                                    tiles=bsa.Tiles(block_m=64))
+
+
+def test_sparse_kernel_tiles_are_validated_and_reach_the_kernel(monkeypatch):
+    import pydantic
+
+    from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
+
+    for bad, field in (([48, 64, 8, 3], "BLOCK_M"), ([128, 8, 8, 3], "BLOCK_N"), ([128, 64, 0, 3], "num_warps")):
+        with pytest.raises(pydantic.ValidationError, match=f"sparse_kernel_tiles.*{field}"):
+            FlexConfig(sparse_kernel_tiles=bad)
+    q, k, v, seq, layout = _mode_layout("xattention", MODE_CASES["xattention"][1])
+    import elasticfw.kernels.block_sparse_attention as bsa
+
+    seen = []
+    real = bsa.block_layout_attention
+    monkeypatch.setattr(bsa, "block_layout_attention", lambda *a, **kw: seen.append(kw["tiles"]) or real(*a, **kw))
+    with torch.no_grad():
+        FlexExecutor(FlexConfig(sparse_kernel="triton", sparse_kernel_tiles=[32, 16, 4, 2])).attend(
+            q, k, v, layout, seq, scale=0.25)
+    assert seen == [bsa.Tiles(block_m=32, block_n=16, num_warps=4, num_stages=2)]
