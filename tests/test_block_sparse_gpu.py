@@ -63,3 +63,29 @@ def test_gpu_unaligned_chunk_and_padding():
     rows = seq.query_valid()[:, None, :, None]
     diff = (got.out.float() - ref.out.float()) * rows
     assert (diff.norm() / (ref.out.float() * rows).norm()).item() < 1e-2
+
+
+def test_gpu_token_major_kv_through_tma_with_unwritten_cache():
+    """K/V as a model's (B, S, H, D) projections viewed as (B, H, S, D), read through TMA
+    descriptors, with NaN in sample 1's cache past its kv_len (keys it must not see)."""
+    from elasticfw.kernels.block_sparse_attention import _kv_descriptor
+    from elasticfw.testing.modes import make_mode
+    from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(2, 8, 3000, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(2, 9000, 2, 128, device="cuda", generator=g, dtype=torch.bfloat16).transpose(1, 2)
+    v = torch.randn(2, 9000, 2, 128, device="cuda", generator=g, dtype=torch.bfloat16).transpose(1, 2)
+    seq = SeqInfo(torch.tensor([5999, 2000], device="cuda"), torch.tensor([8999, 4100], device="cuda"), 3000, 9000)
+    k_ref, v_ref = k.contiguous(), v.contiguous()  # the reference's copies keep finite keys there
+    k[1, :, 4100:] = float("nan")
+    v[1, :, 4100:] = float("nan")
+    assert _kv_descriptor(k, 128) is not None and _kv_descriptor(v, 128) is not None
+    with torch.no_grad():
+        layout = make_mode("xattention", {}).build_layout(q, k_ref, seq)
+        got = FlexExecutor(FlexConfig(sparse_kernel="triton")).attend(q, k, v, layout, seq, scale=128**-0.5)
+        ref = FlexExecutor(FlexConfig(sparse_kernel="flex")).attend(q, k_ref, v_ref, layout, seq, scale=128**-0.5)
+    rows = seq.query_valid()[:, None, :, None]
+    assert not (got.out * rows).isnan().any()
+    diff = (got.out.float() - ref.out.float()) * rows
+    assert (diff.norm() / (ref.out.float() * rows).norm()).item() < 1e-2

@@ -68,6 +68,39 @@ def test_gather_plan_by_hand():
     assert plan.pass_bounds == [0, 2, 4]
 
 
+def _plan_by_definition(selected, batch, block_m):
+    """The plan of the module docstring by enumeration: entries sorted by (rank, sample, head, group,
+    row), each (rank, sample, head, group) cut into tiles of at most ``block_m`` rows."""
+    table = selected.expand(batch, *selected.shape[1:])
+    entries = []
+    for b, h, r in torch.cartesian_prod(*(torch.arange(n) for n in table.shape[:3])).tolist():
+        for rank, g in enumerate(table[b, h, r].nonzero().flatten().tolist()):
+            entries.append((rank, b, h, g, r))
+    entries.sort()
+    rows, tiles = [], []  # tiles: (start, count, b, h, g, rank)
+    for e, (rank, b, h, g, r) in enumerate(entries):
+        if not tiles or tuple(tiles[-1][2:]) != (b, h, g, rank) or tiles[-1][1] == block_m:
+            tiles.append([e, 0, b, h, g, rank])
+        tiles[-1][1] += 1
+        rows.append(r)
+    bounds = [sum(t[5] < rank for t in tiles) for rank in range(max(t[5] for t in tiles) + 2)]
+    return rows, tiles, bounds
+
+
+@pytest.mark.parametrize("shape, batch, block_m, density", [((1, 3, 40, 7), 2, 4, 0.5), ((2, 2, 33, 5), 2, 8, 0.8),
+                                                             ((1, 1, 64, 9), 1, 16, 0.3)])
+def test_gather_plan_matches_its_definition(shape, batch, block_m, density):
+    from elasticfw.kernels.gather_attention import gather_plan
+
+    selected = torch.rand(*shape, generator=torch.Generator().manual_seed(sum(shape))) < density
+    plan = gather_plan(RowSelection(selected, 16), batch, block_m)
+    rows, tiles, bounds = _plan_by_definition(selected, batch, block_m)
+    assert plan.rows.tolist() == rows
+    assert plan.tile_start.tolist() == [t[0] for t in tiles] and plan.tile_count.tolist() == [t[1] for t in tiles]
+    assert plan.tile_b.tolist() == [t[2] for t in tiles] and plan.tile_h.tolist() == [t[3] for t in tiles]
+    assert plan.tile_g.tolist() == [t[4] for t in tiles] and plan.pass_bounds == bounds
+
+
 def test_keep_heads_and_unsupported_selections():
     from elasticfw.kernels.gather_attention import gathered_selection_attention, unsupported_selection
 

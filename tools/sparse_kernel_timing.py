@@ -12,7 +12,12 @@ CUDA-event-timed calls against one dense causal cuDNN SDPA layer:
 * for a row selection without a window (per-token MoBA): ``gather plan`` (``gather_plan``) and
   ``gather call`` (``gathered_selection_attention``), with the key chunks each tile visits against
   the keys each row sees, in chunks (``chunk_ratio``: how much the tile union costs);
-* with ``--tiles BM,BN,WARPS,STAGES ...`` the kernel under those launch configurations.
+* with ``--tiles BM,BN,WARPS,STAGES ...`` the kernel under those launch configurations;
+* with ``--options TMA,REVERSE ...`` (each 0 or 1: ``USE_TMA``, ``REVERSE_TILES`` of the kernel
+  module), the kernel under each option pair and each tile configuration (the defaults and
+  ``--tiles``) on the density benchmark's random block layouts of 128-token blocks at densities
+  1 and 0.5 (``option ...`` rows), its output's largest difference from the first pair's
+  (``max_abs_diff`` in the notes).
 
 ``--profile`` prints a ``torch.profiler`` table of each call (the GPU kernels and torch ops of the
 lists). ``--json FILE`` also writes the figures with the environment.
@@ -43,11 +48,46 @@ def _tiles(spec: str):  # type: ignore[no-untyped-def]
     return Tiles(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
 
 
+def _option_sweep(args, q, k, v, seq, scale, results, notes) -> None:  # type: ignore[no-untyped-def]
+    """The ``--options`` rows (module docstring)."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    from elasticfw.bench.density import random_block_layout
+    from elasticfw.kernels import block_sparse_attention as bsa
+
+    saved = bsa.USE_TMA, bsa.REVERSE_TILES
+    tiles = [bsa.DEFAULT_TILES] + [_tiles(spec) for spec in args.tiles]
+    for density in (1.0, 0.5):
+        layout = random_block_layout(seq, q.shape[1], 128, density)
+        first = None
+        for option in args.options:
+            bsa.USE_TMA, bsa.REVERSE_TILES = (bool(int(x)) for x in option.split(","))
+            for t in tiles:
+                label = f"option {option} tiles {t.block_m},{t.block_n},{t.num_warps},{t.num_stages} @{density}"
+                plan = bsa.plan_work(bsa.layout_selection(layout), seq, t)  # type: ignore[arg-type]
+                try:
+                    call = lambda t=t, w=plan, lay=layout: bsa.block_layout_attention(  # noqa: E731
+                        q, k, v, lay, seq, scale=scale, tiles=t, plan=w)
+                    results[label] = timed(call, args.repeats)
+                    out = call()[0].float()
+                except (CompilationError, OutOfResources, RuntimeError) as exc:  # report it, go on
+                    print(f"{label}: {type(exc).__name__}: {str(exc)[:300]}")
+                    continue
+                first = out if first is None else first
+                notes[f"{label}: max_abs_diff"] = (out - first).abs().max().item()
+                print(f"{label}: {results[label]:.2f} ms", flush=True)
+        del layout
+    bsa.USE_TMA, bsa.REVERSE_TILES = saved
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_arguments(p)
     p.add_argument("--modes", nargs="+", default=["xattention", "nsa", "moba", "streaming"])
     p.add_argument("--tiles", nargs="*", default=[], metavar="BM,BN,WARPS,STAGES")
+    p.add_argument("--options", nargs="*", default=[], metavar="TMA,REVERSE")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
@@ -63,6 +103,8 @@ def main() -> None:
     profiles = []
     with torch.no_grad():
         results["dense cuDNN SDPA layer"] = timed(dense, args.repeats)
+        if args.options:
+            _option_sweep(args, q, k, v, seq, scale, results, notes)
         for name in args.modes:
             layout = make_mode(name, {}).build_layout(q, k, seq)
             reason = bsa.unsupported_layout(layout)

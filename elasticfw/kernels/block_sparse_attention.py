@@ -213,47 +213,52 @@ def plan_work(selection: RowSelection, seq: SeqInfo, tiles: Tiles = DEFAULT_TILE
 
 
 @triton.jit
-def attend_chunk(acc, m_i, l_i, qv, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, kpos, d, d_ok, ok,
-           qk_scale, MASKED: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """One key chunk of the online softmax: ``ok`` (BLOCK_M, BLOCK_N) the pairs kept (MASKED only)."""
-    rows = kpos.to(tl.int64)[:, None]
+def load_rows(base, rows, stride_s, stride_d, d, d_ok, EVEN_D: tl.constexpr):
+    """The (len(rows), D_PAD) tile of rows ``rows`` of a (S, D) matrix at ``base`` (columns past D: 0)."""
+    offs = rows.to(tl.int64)[:, None] * stride_s + d[None, :] * stride_d
     if EVEN_D:
-        kt = tl.load(k_base + rows * stride_ks + d[None, :] * stride_kd)
-        vt = tl.load(v_base + rows * stride_vs + d[None, :] * stride_vd)
-    else:
-        kt = tl.load(k_base + rows * stride_ks + d[None, :] * stride_kd, mask=d_ok[None, :], other=0.0)
-        vt = tl.load(v_base + rows * stride_vs + d[None, :] * stride_vd, mask=d_ok[None, :], other=0.0)
+        return tl.load(base + offs)
+    return tl.load(base + offs, mask=d_ok[None, :], other=0.0)
+
+
+@triton.jit
+def attend_chunk(acc, m_i, l_i, qv, kt, vt, ok, qk_scale,
+                 MASKED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """One key chunk of the online softmax in base 2 (``qk_scale`` includes ``log2(e)``): ``kt`` and
+    ``vt`` (BLOCK_N, D_PAD) its keys and values, ``ok`` (BLOCK_M, BLOCK_N) the pairs kept (MASKED only)."""
     if UPCAST:  # the interpreter multiplies 16-bit bit patterns as integers: upcast (exact)
         kt = kt.to(tl.float32)
         vt = vt.to(tl.float32)
     if IEEE:
-        s = tl.dot(qv, tl.trans(kt), input_precision="ieee") * qk_scale
+        s = tl.dot(qv, tl.trans(kt), input_precision="ieee")
     else:
-        s = tl.dot(qv, tl.trans(kt)) * qk_scale
+        s = tl.dot(qv, tl.trans(kt))
     if MASKED:
-        s = tl.where(ok, s, float("-inf"))
+        s = tl.where(ok, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - shift[:, None])
+    else:  # every pair kept: the scale folds into one multiply-add per score
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
         shift = m_new
-    p = tl.exp2(s - shift[:, None])
+        p = tl.exp2(s * qk_scale - shift[:, None])
     alpha = tl.exp2(m_i - shift)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if IEEE or UPCAST:
-        acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+        acc = tl.dot(p, vt.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None])
     return acc, m_new, l_i
 
 
 @triton.jit
 def _block_sparse_kernel(
     q_ptr, k_ptr, v_ptr, sel_ptr, clean_ptr, nclean_ptr, masked_ptr, nmasked_ptr, keep_ptr,
-    q_start_ptr, kv_len_ptr, out_ptr, lse_ptr,
+    q_start_ptr, kv_len_ptr, out_ptr, lse_ptr, k_desc, v_desc,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
+    k_rows_b, k_rows_h, k_cols_h, v_rows_b, v_rows_h, v_cols_h,
     stride_sb, stride_sh, stride_sr, stride_sg,
     stride_lb, stride_lh, stride_lt, stride_lc,
     stride_cb, stride_ch, stride_ct,
@@ -261,9 +266,11 @@ def _block_sparse_kernel(
     stride_ob, stride_oh, stride_os, stride_od,
     q_len, row_block, group_size, window, kv_group, sel_group, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    WINDOW: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    WINDOW: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, REVERSE: tl.constexpr,
 ):
     tile = tl.program_id(0)
+    if REVERSE:  # the causally longest tiles first: less idle time at the end of the grid
+        tile = tl.num_programs(0) - 1 - tile
     h = tl.program_id(1)
     b = tl.program_id(2)
     hs = h // sel_group  # the table's head
@@ -284,6 +291,9 @@ def _block_sparse_kernel(
     kh = h // kv_group
     k_base = k_ptr + b.to(tl.int64) * stride_kb + kh.to(tl.int64) * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + kh.to(tl.int64) * stride_vh
+    # TMA: K and V as 2-D (rows, columns) tensor descriptors; this head's key j is row k_row0 + j
+    k_row0 = b * k_rows_b + kh * k_rows_h
+    v_row0 = b * v_rows_b + kh * v_rows_h
     s_base = sel_ptr + b.to(tl.int64) * stride_sb + hs.to(tl.int64) * stride_sh + flag_row.to(tl.int64) * stride_sr
     list_off = b.to(tl.int64) * stride_lb + hs.to(tl.int64) * stride_lh + tile.to(tl.int64) * stride_lt
     count_off = b.to(tl.int64) * stride_cb + hs.to(tl.int64) * stride_ch + tile * stride_ct
@@ -298,9 +308,14 @@ def _block_sparse_kernel(
     none = tl.zeros((BLOCK_M, BLOCK_N), tl.int1)
     for e in range(0, n_clean):  # chunks every row selects, wholly before the tile: no mask
         c = tl.load(clean_ptr + list_off + e * stride_lc)
-        acc, m_i, l_i = attend_chunk(acc, m_i, l_i, qv, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-                               c * BLOCK_N + n, d, d_ok, none, qk_scale,
-                               MASKED=False, EVEN_D=EVEN_D, IEEE=IEEE, UPCAST=UPCAST)
+        if TMA:
+            kt = k_desc.load([k_row0 + c * BLOCK_N, kh * k_cols_h])
+            vt = v_desc.load([v_row0 + c * BLOCK_N, kh * v_cols_h])
+        else:
+            kt = load_rows(k_base, c * BLOCK_N + n, stride_ks, stride_kd, d, d_ok, EVEN_D)
+            vt = load_rows(v_base, c * BLOCK_N + n, stride_vs, stride_vd, d, d_ok, EVEN_D)
+        acc, m_i, l_i = attend_chunk(acc, m_i, l_i, qv, kt, vt, none, qk_scale,
+                                     MASKED=False, IEEE=IEEE, UPCAST=UPCAST)
     for e in range(0, n_masked):
         c = tl.load(masked_ptr + list_off + e * stride_lc)
         kpos = c * BLOCK_N + n
@@ -309,9 +324,16 @@ def _block_sparse_kernel(
         if WINDOW:
             seen_pair = seen_pair | (kpos[None, :] > pos[:, None] - window)
         ok = seen_pair & (kpos[None, :] <= pos[:, None]) & (kpos[None, :] < kv_len)
-        acc, m_i, l_i = attend_chunk(acc, m_i, l_i, qv, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-                               tl.minimum(kpos, kv_len - 1), d, d_ok, ok, qk_scale,
-                               MASKED=True, EVEN_D=EVEN_D, IEEE=IEEE, UPCAST=UPCAST)
+        if TMA:  # keys at or past kv_len are read (zero past the descriptor) and masked; their values
+            # are zeroed, since p = 0 times a NaN of unwritten cache memory would still be NaN
+            kt = k_desc.load([k_row0 + c * BLOCK_N, kh * k_cols_h])
+            vt = v_desc.load([v_row0 + c * BLOCK_N, kh * v_cols_h])
+            vt = tl.where((kpos < kv_len)[:, None], vt, 0.0)
+        else:
+            kt = load_rows(k_base, tl.minimum(kpos, kv_len - 1), stride_ks, stride_kd, d, d_ok, EVEN_D)
+            vt = load_rows(v_base, tl.minimum(kpos, kv_len - 1), stride_vs, stride_vd, d, d_ok, EVEN_D)
+        acc, m_i, l_i = attend_chunk(acc, m_i, l_i, qv, kt, vt, ok, qk_scale,
+                                     MASKED=True, IEEE=IEEE, UPCAST=UPCAST)
     seen = l_i > 0
     out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -319,6 +341,42 @@ def _block_sparse_kernel(
     tl.store(o_base + i[:, None].to(tl.int64) * stride_os + d[None, :] * stride_od,
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(lse_ptr + (b * tl.num_programs(1) + h).to(tl.int64) * q_len + i, lse, mask=row_ok)
+
+
+#: K and V through TMA tensor descriptors where their strides allow (:func:`_kv_descriptor`), on
+#: GPUs of compute capability 9 or more and under the interpreter
+USE_TMA = True
+#: the programs of a head visit its query tiles last first (the causally longest first)
+REVERSE_TILES = True
+
+
+def _kv_descriptor(x: torch.Tensor, block_n: int) -> tuple[object, int, int, int] | None:
+    """A 2-D TMA descriptor of ``x`` (B, H, S, D) and where head ``h`` of sample ``b`` starts in it
+    (``(desc, rows_b, rows_h, cols_h)``: its key ``j`` is row ``b * rows_b + h * rows_h + j``, from
+    column ``h * cols_h``), or ``None`` where TMA cannot read ``x``: not 16-bit, D not a power of
+    two, strided last dimension, rows or base not 16-byte aligned, or (B, H, S) neither
+    head-major (rows of every head consecutive) nor token-major (the heads of a token side by side,
+    the layout of a (B, S, H, D) projection viewed as (B, H, S, D))."""
+    if not USE_TMA or x.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if x.device.type == "cuda":
+        if torch.cuda.get_device_capability(x.device)[0] < 9:
+            return None
+    elif not interpreting():
+        return None
+    batch, heads, seq_len, dim = x.shape
+    sb, sh, ss, sd = x.stride()
+    if dim & (dim - 1) or sd != 1 or (ss * 2) % 16 or x.data_ptr() % 16:
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if (heads == 1 or sh == seq_len * ss) and (batch == 1 or sb == heads * seq_len * ss):
+        shape, rows_b, rows_h, cols_h = [batch * heads * seq_len, dim], heads * seq_len, seq_len, 0
+    elif sh >= dim and (sh * 2) % 16 == 0 and ss >= heads * sh and (batch == 1 or sb == seq_len * ss):
+        shape, rows_b, rows_h, cols_h = [batch * seq_len, (heads - 1) * sh + dim], seq_len, 0, sh
+    else:
+        return None
+    return TensorDescriptor(x, shape, [ss, 1], [block_n, dim]), rows_b, rows_h, cols_h
 
 
 def check_inputs(
@@ -390,16 +448,21 @@ def _attend(
     if sel_u8.shape[0] != batch:  # one table for every sample: stride 0 over the batch
         sel_u8 = sel_u8.expand(batch, *sel_u8.shape[1:])
     grid = (triton.cdiv(q_len, tiles.block_m), hq, batch)
+    k_tma, v_tma = _kv_descriptor(k, block_n), _kv_descriptor(v, block_n)
+    tma = k_tma is not None and v_tma is not None
+    k_desc, *k_rows = k_tma if k_tma is not None and tma else (None, 0, 0, 0)
+    v_desc, *v_rows = v_tma if v_tma is not None and tma else (None, 0, 0, 0)
     _block_sparse_kernel[grid](
         q, k, v, sel_u8, clean, n_clean, masked, n_masked, keep, seq.q_start.contiguous(), seq.kv_len.contiguous(),
-        out, lse,
-        *q.stride(), *k.stride(), *v.stride(), *sel_u8.stride(), *clean.stride(), *n_clean.stride(), *keep.stride(),
+        out, lse, k_desc, v_desc,
+        *q.stride(), *k.stride(), *v.stride(), *k_rows, *v_rows,
+        *sel_u8.stride(), *clean.stride(), *n_clean.stride(), *keep.stride(),
         *out.stride(),
         q_len, selection.row_block, selection.group_size, selection.window, hq // hkv, hq // sel.shape[1],
         scale * _LOG2E,
         HEAD_DIM=dim, D_PAD=max(16, next_pow2(dim)), BLOCK_M=tiles.block_m, BLOCK_N=block_n,
         WINDOW=selection.window > 0, IEEE=q.dtype == torch.float32, UPCAST=interpreting() and q.dtype != torch.float32,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        TMA=tma, REVERSE=REVERSE_TILES, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out, lse
 

@@ -37,7 +37,7 @@ from elasticfw.attention.layout import RowSelection
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
 from elasticfw.kernels import interpreting, next_pow2
-from elasticfw.kernels.block_sparse_attention import Tiles, attend_chunk, check_inputs
+from elasticfw.kernels.block_sparse_attention import Tiles, attend_chunk, check_inputs, load_rows
 
 __all__ = ["GatherPlan", "gather_plan", "gathered_selection_attention", "unsupported_selection"]
 
@@ -76,20 +76,23 @@ def gather_plan(selection: RowSelection, batch: int, block_m: int) -> GatherPlan
         sel = sel.expand(batch, *sel.shape[1:])
     _, heads, q_len, groups = sel.shape
     device = sel.device
-    rank = sel.cumsum(-1, dtype=torch.int32) - 1  # place of each selected group among the row's
     b, h, r, g = sel.nonzero(as_tuple=True)  # row-major: sorted by (b, h, r, g)
     if b.numel() == 0:
         empty = torch.zeros(0, dtype=torch.int32, device=device)
         return GatherPlan(empty, empty, empty, empty, empty, empty, [0])
-    rk = rank[b, h, r, g].long()
+    n = b.numel()
+    index = torch.arange(n, device=device)
+    # a row's entries are consecutive: the rank is the entry's place after the row's first entry
+    # (1-D scans only: torch's scans along a short last dimension, and its cummax, are slow on CUDA)
+    per_row = sel.sum(-1, dtype=torch.int64).flatten()
+    row_first = per_row.cumsum(0) - per_row
+    rk = index - row_first[(b * heads + h) * q_len + r]
     segment = ((rk * batch + b) * heads + h) * groups + g  # (rank, sample, head, group)
     order = (segment * q_len + r).argsort()
     b, h, r, g, rk, segment = (t[order] for t in (b, h, r, g, rk, segment))
-    n = segment.numel()
-    index = torch.arange(n, device=device)
     new_segment = torch.ones(n, dtype=torch.bool, device=device)
     new_segment[1:] = segment[1:] != segment[:-1]
-    seg_first = torch.cummax(torch.where(new_segment, index, 0), 0).values  # first entry of the entry's segment
+    seg_first = index[new_segment][new_segment.cumsum(0) - 1]  # first entry of each entry's segment
     new_tile = new_segment | ((index - seg_first) % block_m == 0)
     starts = new_tile.nonzero(as_tuple=True)[0]
     counts = torch.diff(starts, append=torch.tensor([n], device=device))
@@ -154,15 +157,15 @@ def _gather_pass_kernel(
     n = tl.arange(0, BLOCK_N)
     none = tl.zeros((BLOCK_M, BLOCK_N), tl.int1)
     for c0 in range(start, full_stop, BLOCK_N):
-        acc, m_i, l_i = attend_chunk(acc, m_i, l_i, qv, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-                               c0 + n, d, d_ok, none, qk_scale,
-                               MASKED=False, EVEN_D=EVEN_D, IEEE=IEEE, UPCAST=UPCAST)
+        kt = load_rows(k_base, c0 + n, stride_ks, stride_kd, d, d_ok, EVEN_D)
+        vt = load_rows(v_base, c0 + n, stride_vs, stride_vd, d, d_ok, EVEN_D)
+        acc, m_i, l_i = attend_chunk(acc, m_i, l_i, qv, kt, vt, none, qk_scale, MASKED=False, IEEE=IEEE, UPCAST=UPCAST)
     for c0 in range(full_stop, last, BLOCK_N):
         kpos = c0 + n
         ok = (kpos[None, :] < stop) & (kpos[None, :] <= pos[:, None])
-        acc, m_i, l_i = attend_chunk(acc, m_i, l_i, qv, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-                               tl.minimum(kpos, stop - 1), d, d_ok, ok, qk_scale,
-                               MASKED=True, EVEN_D=EVEN_D, IEEE=IEEE, UPCAST=UPCAST)
+        kt = load_rows(k_base, tl.minimum(kpos, stop - 1), stride_ks, stride_kd, d, d_ok, EVEN_D)
+        vt = load_rows(v_base, tl.minimum(kpos, stop - 1), stride_vs, stride_vd, d, d_ok, EVEN_D)
+        acc, m_i, l_i = attend_chunk(acc, m_i, l_i, qv, kt, vt, ok, qk_scale, MASKED=True, IEEE=IEEE, UPCAST=UPCAST)
     # merge (acc / l_i, this partial's lse) into the rows' accumulators by log-sum-exp
     seen = l_i > 0
     part_lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
