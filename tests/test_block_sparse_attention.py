@@ -137,7 +137,7 @@ def test_flex_executor_runs_moba_token_layouts_through_the_kernel(case, monkeypa
 
     real = bsa.row_selection_attention
     monkeypatch.setattr(bsa, "row_selection_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    ex = FlexExecutor(FlexConfig(sparse_kernel="triton"))
+    ex = FlexExecutor(FlexConfig(sparse_kernel="triton", row_selection_strategy="tiles"))
     with torch.no_grad():
         got = ex.attend(q, k, v, layout, seq, scale=0.25)
         ref = reference_executor().attend(q, k, v, layout, seq, scale=0.25)

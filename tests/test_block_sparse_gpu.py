@@ -29,12 +29,12 @@ def _compare(mode_name, overrides, n, hq=8, hkv=2, **flex):
 
 
 def test_gpu_32k_moba_token_layer_matches_flexattention():  # the kernel's 128-key chunks of 1024-key groups
-    layout = _compare("moba", {}, 32768)
+    layout = _compare("moba", {}, 32768, row_selection_strategy="tiles")
     assert layout.row_selection is not None
 
 
 def test_gpu_32k_moba_token_layer_gathered_matches_flexattention():  # upstream MoBA's query gathering
-    layout = _compare("moba", {}, 32768, row_selection_strategy="gather")
+    layout = _compare("moba", {}, 32768)  # the default strategy
     assert layout.row_selection is not None
 
 
@@ -68,7 +68,7 @@ def test_gpu_unaligned_chunk_and_padding():
 def test_gpu_token_major_kv_through_tma_with_unwritten_cache():
     """K/V as a model's (B, S, H, D) projections viewed as (B, H, S, D), read through TMA
     descriptors, with NaN in sample 1's cache past its kv_len (keys it must not see)."""
-    from elasticfw.kernels.block_sparse_attention import _kv_descriptor
+    from elasticfw.kernels.block_sparse_attention import kv_descriptor
     from elasticfw.testing.modes import make_mode
     from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
 
@@ -80,7 +80,7 @@ def test_gpu_token_major_kv_through_tma_with_unwritten_cache():
     k_ref, v_ref = k.contiguous(), v.contiguous()  # the reference's copies keep finite keys there
     k[1, :, 4100:] = float("nan")
     v[1, :, 4100:] = float("nan")
-    assert _kv_descriptor(k, 128) is not None and _kv_descriptor(v, 128) is not None
+    assert kv_descriptor(k, 128) is not None and kv_descriptor(v, 128) is not None
     with torch.no_grad():
         layout = make_mode("xattention", {}).build_layout(q, k_ref, seq)
         got = FlexExecutor(FlexConfig(sparse_kernel="triton")).attend(q, k, v, layout, seq, scale=128**-0.5)

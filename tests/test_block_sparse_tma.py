@@ -27,10 +27,10 @@ def _kv(layout: str, batch: int, heads: int, cap: int, dim: int, g: torch.Genera
 
 @pytest.mark.parametrize("layout, rows_h, cols_h", [("head_major", 150, 0), ("token_major", 0, 32), ("fused_slice", 0, 32)])
 def test_descriptor_rows_and_columns_of_each_layout(layout, rows_h, cols_h):
-    from elasticfw.kernels.block_sparse_attention import _kv_descriptor
+    from elasticfw.kernels.block_sparse_attention import kv_descriptor
 
     k = _kv(layout, 2, 3, 150, 32, torch.Generator().manual_seed(0))
-    desc, rows_b, got_rows_h, got_cols_h = _kv_descriptor(k, 16)
+    desc, rows_b, got_rows_h, got_cols_h = kv_descriptor(k, 16)
     assert (got_rows_h, got_cols_h) == (rows_h, cols_h)
     assert rows_b == (3 * 150 if layout == "head_major" else 150)
     # row b * rows_b + h * rows_h + j, columns h * cols_h ..: element (b, h, j, :) of k
@@ -40,16 +40,16 @@ def test_descriptor_rows_and_columns_of_each_layout(layout, rows_h, cols_h):
 
 
 def test_layouts_tma_cannot_read_keep_the_pointer_path():
-    from elasticfw.kernels.block_sparse_attention import _kv_descriptor
+    from elasticfw.kernels.block_sparse_attention import kv_descriptor
 
     g = torch.Generator().manual_seed(1)
-    assert _kv_descriptor(torch.randn(1, 2, 64, 32, generator=g), 16) is None  # float32
-    assert _kv_descriptor(torch.randn(1, 2, 64, 24, generator=g).bfloat16(), 16) is None  # D not a power of two
-    assert _kv_descriptor(torch.randn(1, 2, 64, 64, generator=g).bfloat16()[..., ::2], 16) is None  # strided D
+    assert kv_descriptor(torch.randn(1, 2, 64, 32, generator=g), 16) is None  # float32
+    assert kv_descriptor(torch.randn(1, 2, 64, 24, generator=g).bfloat16(), 16) is None  # D not a power of two
+    assert kv_descriptor(torch.randn(1, 2, 64, 64, generator=g).bfloat16()[..., ::2], 16) is None  # strided D
     # the first 32 keys of 2 of 4 heads: heads neither consecutive rows nor side by side
-    assert _kv_descriptor(torch.randn(1, 4, 64, 32, generator=g).bfloat16()[:, :2, :32], 16) is None
+    assert kv_descriptor(torch.randn(1, 4, 64, 32, generator=g).bfloat16()[:, :2, :32], 16) is None
     every_other = torch.randn(1, 2, 64, 32, generator=g).bfloat16()[:, :, ::2]  # rows of stride 64: readable
-    desc, rows_b, rows_h, cols_h = _kv_descriptor(every_other, 16)
+    desc, rows_b, rows_h, cols_h = kv_descriptor(every_other, 16)
     assert desc.strides == [64, 1] and rows_h == 32 and cols_h == 0
 
 
@@ -65,7 +65,7 @@ def test_kernel_through_descriptors_matches_the_definition(layout, tma, monkeypa
     k, v = _kv(layout, 2, 2, 150, 32, g), _kv(layout, 2, 2, 150, 32, g)
     k[1, :, 97:] = float("nan")
     v[1, :, 97:] = float("nan")
-    assert (bsa._kv_descriptor(k, 16) is not None) == tma
+    assert (bsa.kv_descriptor(k, 16) is not None) == tma
     selected = torch.rand(2, 2, 130, 5, generator=g) < 0.5
     out, lse = bsa.row_selection_attention(q, k, v, RowSelection(selected, 32), seq, scale=32**-0.5,
                                            tiles=bsa.Tiles(block_m=32, block_n=16, num_warps=4, num_stages=2))
@@ -75,3 +75,23 @@ def test_kernel_through_descriptors_matches_the_definition(layout, tma, monkeypa
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite)
     torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["head_major", "token_major"])
+def test_gathered_attention_through_descriptors_matches_the_definition(layout):
+    from elasticfw.kernels import block_sparse_attention as bsa
+    from elasticfw.kernels.gather_attention import gathered_selection_attention
+
+    g = torch.Generator().manual_seed(6)
+    seq = _seq([0, 20], [150, 97], 130, 150)
+    q = torch.randn(2, 4, 130, 32, generator=g).bfloat16()
+    k, v = _kv(layout, 2, 2, 150, 32, g), _kv(layout, 2, 2, 150, 32, g)
+    k[1, :, 97:] = float("nan")
+    v[1, :, 97:] = float("nan")
+    assert bsa.kv_descriptor(k, 16) is not None
+    selected = torch.rand(2, 2, 130, 5, generator=g) < 0.5
+    out, _ = gathered_selection_attention(q, k, v, RowSelection(selected, 32), seq, scale=32**-0.5,
+                                          tiles=bsa.Tiles(block_m=16, block_n=16, num_warps=4, num_stages=2))
+    ref_out, _ = _brute(q, k, v, selected, 32, seq, 32**-0.5)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref_out, rtol=2e-2, atol=2e-2)

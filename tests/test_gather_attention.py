@@ -134,7 +134,7 @@ def test_flex_executor_gathers_moba_token_layouts(case, monkeypatch):
     calls = []
     real = ga.gathered_selection_attention
     monkeypatch.setattr(ga, "gathered_selection_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    ex = FlexExecutor(FlexConfig(sparse_kernel="triton", row_selection_strategy="gather"))
+    ex = FlexExecutor(FlexConfig(sparse_kernel="triton"))  # gather: the default strategy
     with torch.no_grad():
         got = ex.attend(q, k, v, layout, seq, scale=0.25)
         ref = reference_executor().attend(q, k, v, layout, seq, scale=0.25)

@@ -53,6 +53,8 @@ __all__ = [
     "WorkPlan",
     "block_layout_attention",
     "check_inputs",
+    "kv_descriptor",
+    "load_rows",
     "layout_selection",
     "plan_work",
     "row_selection_attention",
@@ -324,14 +326,11 @@ def _block_sparse_kernel(
         if WINDOW:
             seen_pair = seen_pair | (kpos[None, :] > pos[:, None] - window)
         ok = seen_pair & (kpos[None, :] <= pos[:, None]) & (kpos[None, :] < kv_len)
-        if TMA:  # keys at or past kv_len are read (zero past the descriptor) and masked; their values
-            # are zeroed, since p = 0 times a NaN of unwritten cache memory would still be NaN
-            kt = k_desc.load([k_row0 + c * BLOCK_N, kh * k_cols_h])
-            vt = v_desc.load([v_row0 + c * BLOCK_N, kh * v_cols_h])
-            vt = tl.where((kpos < kv_len)[:, None], vt, 0.0)
-        else:
-            kt = load_rows(k_base, tl.minimum(kpos, kv_len - 1), stride_ks, stride_kd, d, d_ok, EVEN_D)
-            vt = load_rows(v_base, tl.minimum(kpos, kv_len - 1), stride_vs, stride_vd, d, d_ok, EVEN_D)
+        # pointers, rows clamped below kv_len: never a key of unwritten cache memory (p = 0 times a
+        # NaN there would still be NaN); zeroing such values after a TMA load cost more (per-token MoBA
+        # 224.7 ms against 185.4, results/bench/issue10-s6/variants/kernel_options.json)
+        kt = load_rows(k_base, tl.minimum(kpos, kv_len - 1), stride_ks, stride_kd, d, d_ok, EVEN_D)
+        vt = load_rows(v_base, tl.minimum(kpos, kv_len - 1), stride_vs, stride_vd, d, d_ok, EVEN_D)
         acc, m_i, l_i = attend_chunk(acc, m_i, l_i, qv, kt, vt, ok, qk_scale,
                                      MASKED=True, IEEE=IEEE, UPCAST=UPCAST)
     seen = l_i > 0
@@ -343,14 +342,14 @@ def _block_sparse_kernel(
     tl.store(lse_ptr + (b * tl.num_programs(1) + h).to(tl.int64) * q_len + i, lse, mask=row_ok)
 
 
-#: K and V through TMA tensor descriptors where their strides allow (:func:`_kv_descriptor`), on
+#: K and V through TMA tensor descriptors where their strides allow (:func:`kv_descriptor`), on
 #: GPUs of compute capability 9 or more and under the interpreter
 USE_TMA = True
 #: the programs of a head visit its query tiles last first (the causally longest first)
 REVERSE_TILES = True
 
 
-def _kv_descriptor(x: torch.Tensor, block_n: int) -> tuple[object, int, int, int] | None:
+def kv_descriptor(x: torch.Tensor, block_n: int) -> tuple[object, int, int, int] | None:
     """A 2-D TMA descriptor of ``x`` (B, H, S, D) and where head ``h`` of sample ``b`` starts in it
     (``(desc, rows_b, rows_h, cols_h)``: its key ``j`` is row ``b * rows_b + h * rows_h + j``, from
     column ``h * cols_h``), or ``None`` where TMA cannot read ``x``: not 16-bit, D not a power of
@@ -448,7 +447,7 @@ def _attend(
     if sel_u8.shape[0] != batch:  # one table for every sample: stride 0 over the batch
         sel_u8 = sel_u8.expand(batch, *sel_u8.shape[1:])
     grid = (triton.cdiv(q_len, tiles.block_m), hq, batch)
-    k_tma, v_tma = _kv_descriptor(k, block_n), _kv_descriptor(v, block_n)
+    k_tma, v_tma = kv_descriptor(k, block_n), kv_descriptor(v, block_n)
     tma = k_tma is not None and v_tma is not None
     k_desc, *k_rows = k_tma if k_tma is not None and tma else (None, 0, 0, 0)
     v_desc, *v_rows = v_tma if v_tma is not None and tma else (None, 0, 0, 0)

@@ -37,7 +37,13 @@ from elasticfw.attention.layout import RowSelection
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
 from elasticfw.kernels import interpreting, next_pow2
-from elasticfw.kernels.block_sparse_attention import Tiles, attend_chunk, check_inputs, load_rows
+from elasticfw.kernels.block_sparse_attention import (
+    Tiles,
+    attend_chunk,
+    check_inputs,
+    kv_descriptor,
+    load_rows,
+)
 
 __all__ = ["GatherPlan", "gather_plan", "gathered_selection_attention", "unsupported_selection"]
 
@@ -110,14 +116,15 @@ def _int32(t: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _gather_pass_kernel(
     q_ptr, k_ptr, v_ptr, rows_ptr, start_ptr, count_ptr, tb_ptr, th_ptr, tg_ptr, keep_ptr,
-    q_start_ptr, kv_len_ptr, acc_ptr, lse_ptr,
+    q_start_ptr, kv_len_ptr, acc_ptr, lse_ptr, k_desc, v_desc,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
+    k_rows_b, k_rows_h, k_cols_h, v_rows_b, v_rows_h, v_cols_h,
     stride_eb, stride_eh,
     tile0, q_len, num_q_heads, group_size, kv_group, sel_group, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     t = tile0 + tl.program_id(0)
     h = tl.load(th_ptr + t) * sel_group + tl.program_id(1)  # the query head
@@ -157,8 +164,12 @@ def _gather_pass_kernel(
     n = tl.arange(0, BLOCK_N)
     none = tl.zeros((BLOCK_M, BLOCK_N), tl.int1)
     for c0 in range(start, full_stop, BLOCK_N):
-        kt = load_rows(k_base, c0 + n, stride_ks, stride_kd, d, d_ok, EVEN_D)
-        vt = load_rows(v_base, c0 + n, stride_vs, stride_vd, d, d_ok, EVEN_D)
+        if TMA:  # as the block-sparse kernel's clean chunks (block_sparse_attention.kv_descriptor)
+            kt = k_desc.load([b * k_rows_b + kh * k_rows_h + c0, kh * k_cols_h])
+            vt = v_desc.load([b * v_rows_b + kh * v_rows_h + c0, kh * v_cols_h])
+        else:
+            kt = load_rows(k_base, c0 + n, stride_ks, stride_kd, d, d_ok, EVEN_D)
+            vt = load_rows(v_base, c0 + n, stride_vs, stride_vd, d, d_ok, EVEN_D)
         acc, m_i, l_i = attend_chunk(acc, m_i, l_i, qv, kt, vt, none, qk_scale, MASKED=False, IEEE=IEEE, UPCAST=UPCAST)
     for c0 in range(full_stop, last, BLOCK_N):
         kpos = c0 + n
@@ -214,17 +225,21 @@ def gathered_selection_attention(
     plan = gather_plan(selection, batch, tiles.block_m)
     heads_per_table = hq // sel.shape[1]
     block_n = min(tiles.block_n, max(16, next_pow2(selection.group_size)))
+    k_tma, v_tma = kv_descriptor(k, block_n), kv_descriptor(v, block_n)
+    tma = k_tma is not None and v_tma is not None
+    k_desc, *k_rows = k_tma if k_tma is not None and tma else (None, 0, 0, 0)
+    v_desc, *v_rows = v_tma if v_tma is not None and tma else (None, 0, 0, 0)
     for r in range(len(plan.pass_bounds) - 1):
         lo, hi = plan.pass_bounds[r], plan.pass_bounds[r + 1]
         if hi == lo:
             continue
         _gather_pass_kernel[(hi - lo, heads_per_table)](
             q, k, v, plan.rows, plan.tile_start, plan.tile_count, plan.tile_b, plan.tile_h, plan.tile_g, keep,
-            seq.q_start.contiguous(), seq.kv_len.contiguous(), acc, lse,
-            *q.stride(), *k.stride(), *v.stride(), *keep.stride(),
+            seq.q_start.contiguous(), seq.kv_len.contiguous(), acc, lse, k_desc, v_desc,
+            *q.stride(), *k.stride(), *v.stride(), *k_rows, *v_rows, *keep.stride(),
             lo, q_len, hq, selection.group_size, hq // k.shape[1], heads_per_table, scale * _LOG2E,
             HEAD_DIM=dim, D_PAD=max(16, next_pow2(dim)), BLOCK_M=tiles.block_m, BLOCK_N=block_n,
-            IEEE=q.dtype == torch.float32, UPCAST=interpreting() and q.dtype != torch.float32,
+            IEEE=q.dtype == torch.float32, UPCAST=interpreting() and q.dtype != torch.float32, TMA=tma,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
     return acc.to(q.dtype), lse
