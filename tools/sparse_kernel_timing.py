@@ -7,6 +7,8 @@ For each mode's default layout on the attention benchmark's structured q/k (XAtt
 streaming: block layouts; MoBA: per-token row selection), prints the median of ``--repeats``
 CUDA-event-timed calls against one dense causal cuDNN SDPA layer:
 
+* ``chunk share of the causal layer`` — the key chunks the kernel's tiles visit against those of
+  the full causal layer (its expected time as a share of its density-1 time);
 * ``plan`` — the block-sparse kernel's work lists alone (``plan_work``), and ``kernel`` — the
   kernel with those lists given (what a reusable layout costs per layer), and ``call`` — both;
 * for a row selection without a window (per-token MoBA): ``gather plan`` (``gather_plan``) and
@@ -114,6 +116,12 @@ def main() -> None:
             selection = bsa.layout_selection(layout)
             assert selection is not None
             plan = bsa.plan_work(selection, seq)
+            # the key chunks the tiles visit, against those of the full causal layer: the kernel's time
+            # at this layout should be about this share of its time at density 1 (``--options`` rows)
+            tile_end = torch.clamp(torch.arange(1, plan.clean_count.shape[-1] + 1) * plan.block_m, max=n)
+            causal = int(((tile_end + plan.block_n - 1) // plan.block_n).sum()) * hq
+            visits = int((plan.clean_count + plan.masked_count).sum()) * (hq // selection.selected.shape[1])
+            notes[f"{name}: chunk share of the causal layer"] = visits / causal
             results[f"{name}: plan"] = timed(lambda s=selection: bsa.plan_work(s, seq), args.repeats)
             results[f"{name}: kernel"] = timed(
                 lambda s=selection, w=plan: bsa.row_selection_attention(q, k, v, s, seq, scale=scale, plan=w),
