@@ -52,6 +52,16 @@ def test_density_bench_runs_on_cpu_and_reads_its_criteria(tmp_path):
     assert density.main(args) == 2  # not replaced without --overwrite
 
 
+def test_flex_rows_pin_flexattention_and_triton_rows_the_kernel():
+    """Under ``sparse_kernel: auto`` a tile row without the pin would time the Triton kernel on a GPU
+    under FlexAttention's name (it did in issue10-s6's first density run)."""
+    args = density.parse_args(["--out", "x", "--tiles", "128,128,8,2", "--triton", "128,128,8,3"])
+    configs = dict(density._configs(args))
+    assert configs["flex"]["sparse_kernel"] == configs["flex[128,128,8,2]"]["sparse_kernel"] == "flex"
+    assert configs["flex[128,128,8,2]"]["kernel_options"]["num_stages"] == 2
+    assert configs["triton[128,128,8,3]"] == {"sparse_kernel": "triton", "sparse_kernel_tiles": [128, 128, 8, 3]}
+
+
 def test_density_one_is_required():
     with pytest.raises(SystemExit):
         density.parse_args(["--out", "x", "--densities", "0.5"])

@@ -101,7 +101,7 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
         except ValueError:
             raise SystemExit(f"--tiles {spec!r}: expected BM,BN,WARPS,STAGES, e.g. 128,64,4,3") from None
         options = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
-        out.append((f"flex[{spec}]", {"kernel_options": options}))
+        out.append((f"flex[{spec}]", {"sparse_kernel": "flex", "kernel_options": options}))  # never the kernel
     for spec in args.triton or []:
         try:
             tiles = [int(x) for x in spec.split(",")]

@@ -112,8 +112,8 @@ class FlexConfig(ExecutorConfig):
         "blocks without a token mask, and row selections such as per-token MoBA; each query tile visits only "
         "the key chunks its rows select): `flex` runs every layout through FlexAttention; `triton` runs those "
         "through the kernel (forward only, an error where it cannot run) and the rest through FlexAttention; "
-        "`auto` the kernel on CUDA for calls without autograd, except dense causal layouts (FlexAttention is as "
-        "fast there), FlexAttention otherwise.",
+        "`auto` the kernel on CUDA for calls without autograd (dense causal layouts too: 294 ms against "
+        "FlexAttention's 357 at 128K on an H200), FlexAttention otherwise.",
     )
     row_selection_strategy: Literal["tiles", "gather"] = Field(
         "gather",
@@ -413,7 +413,7 @@ class FlexExecutor(Executor):
             recording = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
             reason = "it has no backward (autograd is recording)" if recording else unsupported(q)
         if choice == "auto":
-            return reason is None and q.device.type == "cuda" and not layout.dense_causal
+            return reason is None and q.device.type == "cuda"
         if reason is not None:
             raise BackendUnavailableError(
                 f"flex executor: sparse_kernel = 'triton' cannot run here: {reason} (set "
