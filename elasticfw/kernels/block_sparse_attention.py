@@ -25,7 +25,13 @@ and values head ``h // (Hq / Hkv)`` (GQA without copying K/V). That covers:
   :func:`~elasticfw.attention.layout.index_lists` (a cumulative sum and a scatter, not a sort).
 * **Kernel.** One program per (tile, query head, sample), FlashAttention-style: an online
   softmax in base 2 over the clean list, then the masked list; 16-bit ``q . k`` and ``p . v`` on
-  tensor cores with float32 accumulation (float32 inputs in IEEE float32).
+  tensor cores with float32 accumulation (float32 inputs in IEEE float32). Clean chunks read K
+  and V through 2-D TMA tensor descriptors (:func:`kv_descriptor`: 16-bit head-major or
+  token-major K/V with a power-of-two head dim, on compute capability 9+ and under the
+  interpreter; :data:`USE_TMA`), masked chunks through pointers clamped below ``kv_len``; a
+  head's tiles run last first (:data:`REVERSE_TILES`). On an H200 at 128K (all causal 128-blocks,
+  Hq 32 / Hkv 8, d 128) TMA took the kernel from 329.5 to 301.2 ms and the reversed order half
+  the blocks from 162.0 to 148.8 (``results/bench/issue10-s6/variants/kernel_options.json``).
 
 Forward only (no autograd): the flex executor uses it for inference calls with ``sparse_kernel``
 ``triton`` (or ``auto`` on CUDA), FlexAttention otherwise. Memory beyond the inputs and the
@@ -86,9 +92,11 @@ class Tiles:
             raise ValueError(f"Tiles: num_warps and num_stages must be positive, got {self.num_warps}, {self.num_stages}")
 
 
-#: the defaults, the fastest of four measured on an H200 (bf16, head dim 128, 128-token blocks at 128K:
-#: 128 x 128 x 8 warps x 3 stages 334 ms at full density, 128 x 64 391 ms, 64 x 64 390 ms, 128 x 64 x 4
-#: warps 489 ms; results/bench/issue10-s5/density.json). Layouts of 64-token blocks run 64-key chunks.
+#: the defaults, the fastest measured on an H200 (bf16, head dim 128, 128-token blocks at 128K, full
+#: density; without TMA: 128 x 128 x 8 warps x 3 stages 334 ms, 128 x 64 391 ms, 64 x 64 390 ms, 128 x 64
+#: x 4 warps 489 ms, results/bench/issue10-s5/density.json; with TMA: 301 ms, 128 x 64 361 ms, 128 x 64 x 4
+#: warps x 4 stages 380 ms, results/bench/issue10-s6/variants/kernel_options.json). Layouts of 64-token
+#: blocks run 64-key chunks.
 DEFAULT_TILES = Tiles()
 
 

@@ -11,10 +11,14 @@ chose it):
 * **Entries** (torch, :func:`gather_plan`): every selected (row, group) pair, with its *rank* (the
   group's place among the row's selected groups, ascending), sorted by (rank, sample, table head,
   group, row) and cut into tiles of up to ``BLOCK_M`` rows of one (rank, sample, head, group).
+  Only one-dimensional scans build them (torch's scans along a short last dimension and its
+  ``cummax`` took 24 and 96 ms of a 135 ms plan at 128K on an H200; now 16 ms,
+  ``results/bench/issue10-s6/variants/``).
 * **Passes.** One launch per rank ``r`` (at most the largest number of groups a row selects, the
   MoBA ``top_k``): each program gathers its tile's query rows, attends over its group's keys
   (chunks wholly before the tile's first position unmasked, the rest masked by causality and
-  ``kv_len``) with an online softmax in base 2, and merges the partial result into the rows'
+  ``kv_len``; the unmasked chunks through TMA as the block-sparse kernel's) with an online softmax
+  in base 2, and merges the partial result into the rows'
   float32 accumulators (normalised output and natural-log ``lse``) by log-sum-exp. Within one
   pass a row appears at most once, so the merge needs no atomics.
 

@@ -22,7 +22,8 @@ Query granularity:
 * ``token`` (default; exactly upstream's per-token semantics): one selection per query token,
   kept as a ``(B, Hq, Sq, n_moba_blocks)`` bool tensor that the layout's token mask indexes; a
   layout tile computes the union of its rows' selections, and is ``partial`` where its rows
-  disagree.
+  disagree (the layout also carries the table as a ``RowSelection``: on CUDA the flex executor
+  gathers, per key group, the rows that chose it, and computes only the selected pairs).
 * ``block``: one selection per layout tile (``block_size`` query positions), gated with the
   **mean of the tile's real queries** (equivalently, the mean of their per-token gates, since
   the gate is linear in ``q``). The mean keeps the score on the same scale as a token's and
