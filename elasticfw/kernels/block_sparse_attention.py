@@ -60,6 +60,7 @@ __all__ = [
     "block_layout_attention",
     "check_inputs",
     "kv_descriptor",
+    "kv_descriptors",
     "load_rows",
     "layout_selection",
     "plan_work",
@@ -386,6 +387,16 @@ def kv_descriptor(x: torch.Tensor, block_n: int) -> tuple[object, int, int, int]
     return TensorDescriptor(x, shape, [ss, 1], [block_n, dim]), rows_b, rows_h, cols_h
 
 
+def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int) -> tuple[bool, object, object, list[int], list[int]]:
+    r"""``(tma, k_desc, v_desc, k_rows, v_rows)`` for a kernel launch: both :func:`kv_descriptor`\ s and
+    their ``[rows_b, rows_h, cols_h]`` when TMA can read K *and* V, else ``(False, None, None, [0, 0, 0],
+    [0, 0, 0])`` (the pointer path)."""
+    k_tma, v_tma = kv_descriptor(k, block_n), kv_descriptor(v, block_n)
+    if k_tma is None or v_tma is None:
+        return False, None, None, [0, 0, 0], [0, 0, 0]
+    return True, k_tma[0], v_tma[0], list(k_tma[1:]), list(v_tma[1:])
+
+
 def check_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -455,10 +466,7 @@ def _attend(
     if sel_u8.shape[0] != batch:  # one table for every sample: stride 0 over the batch
         sel_u8 = sel_u8.expand(batch, *sel_u8.shape[1:])
     grid = (triton.cdiv(q_len, tiles.block_m), hq, batch)
-    k_tma, v_tma = kv_descriptor(k, block_n), kv_descriptor(v, block_n)
-    tma = k_tma is not None and v_tma is not None
-    k_desc, *k_rows = k_tma if k_tma is not None and tma else (None, 0, 0, 0)
-    v_desc, *v_rows = v_tma if v_tma is not None and tma else (None, 0, 0, 0)
+    tma, k_desc, v_desc, k_rows, v_rows = kv_descriptors(k, v, block_n)
     _block_sparse_kernel[grid](
         q, k, v, sel_u8, clean, n_clean, masked, n_masked, keep, seq.q_start.contiguous(), seq.kv_len.contiguous(),
         out, lse, k_desc, v_desc,

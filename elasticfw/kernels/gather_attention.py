@@ -45,7 +45,7 @@ from elasticfw.kernels.block_sparse_attention import (
     Tiles,
     attend_chunk,
     check_inputs,
-    kv_descriptor,
+    kv_descriptors,
     load_rows,
 )
 
@@ -229,10 +229,7 @@ def gathered_selection_attention(
     plan = gather_plan(selection, batch, tiles.block_m)
     heads_per_table = hq // sel.shape[1]
     block_n = min(tiles.block_n, max(16, next_pow2(selection.group_size)))
-    k_tma, v_tma = kv_descriptor(k, block_n), kv_descriptor(v, block_n)
-    tma = k_tma is not None and v_tma is not None
-    k_desc, *k_rows = k_tma if k_tma is not None and tma else (None, 0, 0, 0)
-    v_desc, *v_rows = v_tma if v_tma is not None and tma else (None, 0, 0, 0)
+    tma, k_desc, v_desc, k_rows, v_rows = kv_descriptors(k, v, block_n)
     for r in range(len(plan.pass_bounds) - 1):
         lo, hi = plan.pass_bounds[r], plan.pass_bounds[r + 1]
         if hi == lo:

@@ -112,14 +112,14 @@ class FlexConfig(ExecutorConfig):
         "blocks without a token mask, and row selections such as per-token MoBA; each query tile visits only "
         "the key chunks its rows select): `flex` runs every layout through FlexAttention; `triton` runs those "
         "through the kernel (forward only, an error where it cannot run) and the rest through FlexAttention; "
-        "`auto` the kernel on CUDA for calls without autograd (dense causal layouts too: 294 ms against "
-        "FlexAttention's 357 at 128K on an H200), FlexAttention otherwise.",
+        "`auto` the kernel on CUDA for calls without autograd (dense causal layouts too: 291.8 ms against "
+        "FlexAttention's 350.4 at 128K on an H200), FlexAttention otherwise.",
     )
     row_selection_strategy: Literal["tiles", "gather"] = Field(
         "gather",
         description="How the Triton kernels run per-row selections without a window (per-token MoBA): "
         "`gather` (elasticfw.kernels.gather_attention: per key group, the query rows that chose it, merged by "
-        "log-sum-exp; exactly the selected pairs; 70.0 ms against 224.7 for `tiles` on a 128K MoBA layer on "
+        "log-sum-exp; exactly the selected pairs; 65.3 ms against 182.9 for `tiles` on a 128K MoBA layer on "
         "an H200) or `tiles` (the block-sparse kernel: each 128-row tile over the union of its rows' "
         "selections). Selections with a window (NSA) and block layouts always take the block-sparse kernel.",
     )
