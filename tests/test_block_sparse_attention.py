@@ -87,6 +87,28 @@ def test_kernel_matches_the_definition(name):
     assert (out[~finite] == 0).all()
 
 
+@pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize("reverse", [True, False])
+def test_every_program_order_computes_every_tile_of_every_head(grouped, reverse, monkeypatch):
+    """The grid's order (GQA groups side by side or head by head, tiles last first or first first)
+    must map the programs one to one onto (tile, query head): a wrong map leaves rows unwritten or
+    gives them another head's keys. Groups of 3 query heads, 6 tiles (not coprime: a map that mixes
+    tile and head indices up can still be one to one when they are), a selection per query head."""
+    from elasticfw.kernels import block_sparse_attention as bsa
+
+    monkeypatch.setattr(bsa, "GROUP_HEADS", grouped)
+    monkeypatch.setattr(bsa, "REVERSE_TILES", reverse)
+    seq = _seq([0, 12], [180, 175], 168, 180)
+    q, k, v, selected = _inputs(seq, 6, 2, 16, torch.float32, 12, 16, 6, seed=7)
+    out, lse = bsa.row_selection_attention(q, k, v, RowSelection(selected, 16), seq, scale=0.25,
+                                           tiles=bsa.Tiles(block_m=32, block_n=16, num_warps=4, num_stages=2))
+    ref_out, ref_lse = _brute(q, k, v, selected, 16, seq, 0.25)
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-5, atol=1e-4)
+
+
 def test_keep_heads_and_a_shared_selection():
     from elasticfw.kernels.block_sparse_attention import row_selection_attention
 

@@ -15,10 +15,11 @@ CUDA-event-timed calls against one dense causal cuDNN SDPA layer:
   ``gather call`` (``gathered_selection_attention``), with the key chunks each tile visits against
   the keys each row sees, in chunks (``chunk_ratio``: how much the tile union costs);
 * with ``--tiles BM,BN,WARPS,STAGES ...`` the kernel under those launch configurations;
-* with ``--options TMA,REVERSE ...`` (each 0 or 1: ``USE_TMA``, ``REVERSE_TILES`` of the kernel
-  module), the kernel under each option pair and each tile configuration (the defaults and
+* with ``--options TMA,REVERSE[,GROUP] ...`` (each 0 or 1: ``USE_TMA``, ``REVERSE_TILES`` and
+  ``GROUP_HEADS``, default 1, of the kernel module), the kernel under each option set and each
+  tile configuration (the defaults and
   ``--tiles``) on the density benchmark's random block layouts of 128-token blocks at densities
-  1 and 0.5 (``option ...`` rows), its output's largest difference from the first pair's
+  1 and 0.5 (``option ...`` rows), its output's largest difference from the first set's
   (``max_abs_diff`` in the notes).
 
 ``--profile`` prints a ``torch.profiler`` table of each call (the GPU kernels and torch ops of the
@@ -50,6 +51,14 @@ def _tiles(spec: str):  # type: ignore[no-untyped-def]
     return Tiles(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
 
 
+def _option_values(option: str) -> tuple[bool, bool, bool]:
+    """``TMA,REVERSE[,GROUP]`` (each 0 or 1; GROUP defaults to 1) as the kernel module's switches."""
+    values = [bool(int(x)) for x in option.split(",")]
+    if len(values) not in (2, 3):
+        raise SystemExit(f"--options {option!r}: expected TMA,REVERSE[,GROUP], each 0 or 1")
+    return values[0], values[1], values[2] if len(values) == 3 else True
+
+
 def _option_sweep(args, q, k, v, seq, scale, results, notes) -> None:  # type: ignore[no-untyped-def]
     """The ``--options`` rows (module docstring)."""
     from triton.compiler.errors import CompilationError
@@ -58,13 +67,13 @@ def _option_sweep(args, q, k, v, seq, scale, results, notes) -> None:  # type: i
     from elasticfw.bench.density import random_block_layout
     from elasticfw.kernels import block_sparse_attention as bsa
 
-    saved = bsa.USE_TMA, bsa.REVERSE_TILES
+    saved = bsa.USE_TMA, bsa.REVERSE_TILES, bsa.GROUP_HEADS
     tiles = [bsa.DEFAULT_TILES] + [_tiles(spec) for spec in args.tiles]
     for density in (1.0, 0.5):
         layout = random_block_layout(seq, q.shape[1], 128, density)
         first = None
         for option in args.options:
-            bsa.USE_TMA, bsa.REVERSE_TILES = (bool(int(x)) for x in option.split(","))
+            bsa.USE_TMA, bsa.REVERSE_TILES, bsa.GROUP_HEADS = _option_values(option)
             for t in tiles:
                 label = f"option {option} tiles {t.block_m},{t.block_n},{t.num_warps},{t.num_stages} @{density}"
                 plan = bsa.plan_work(bsa.layout_selection(layout), seq, t)  # type: ignore[arg-type]
@@ -80,7 +89,7 @@ def _option_sweep(args, q, k, v, seq, scale, results, notes) -> None:  # type: i
                 notes[f"{label}: max_abs_diff"] = (out - first).abs().max().item()
                 print(f"{label}: {results[label]:.2f} ms", flush=True)
         del layout
-    bsa.USE_TMA, bsa.REVERSE_TILES = saved
+    bsa.USE_TMA, bsa.REVERSE_TILES, bsa.GROUP_HEADS = saved
     torch.cuda.empty_cache()
 
 
@@ -89,7 +98,7 @@ def main() -> None:
     add_shape_arguments(p)
     p.add_argument("--modes", nargs="+", default=["xattention", "nsa", "moba", "streaming"])
     p.add_argument("--tiles", nargs="*", default=[], metavar="BM,BN,WARPS,STAGES")
-    p.add_argument("--options", nargs="*", default=[], metavar="TMA,REVERSE")
+    p.add_argument("--options", nargs="*", default=[], metavar="TMA,REVERSE[,GROUP]")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()

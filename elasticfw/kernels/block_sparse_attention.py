@@ -278,11 +278,19 @@ def _block_sparse_kernel(
     q_len, row_block, group_size, window, kv_group, sel_group, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, REVERSE: tl.constexpr,
+    GROUPED: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    n_tiles = tl.num_programs(0)
+    if GROUPED:  # KV head by KV head, a tile's query heads of one GQA group side by side (shared K/V in L2)
+        lin = tl.program_id(1) * n_tiles + tl.program_id(0)
+        rest = lin // kv_group
+        tile = rest % n_tiles
+        h = (rest // n_tiles) * kv_group + lin % kv_group
+    else:
+        tile = tl.program_id(0)
+        h = tl.program_id(1)
     if REVERSE:  # the causally longest tiles first: less idle time at the end of the grid
-        tile = tl.num_programs(0) - 1 - tile
-    h = tl.program_id(1)
+        tile = n_tiles - 1 - tile
     b = tl.program_id(2)
     hs = h // sel_group  # the table's head
     q_start = tl.load(q_start_ptr + b).to(tl.int32)
@@ -356,6 +364,9 @@ def _block_sparse_kernel(
 USE_TMA = True
 #: the programs of a head visit its query tiles last first (the causally longest first)
 REVERSE_TILES = True
+#: the programs run KV head by KV head, the query heads of a GQA group for one tile consecutive (they
+#: read the same K/V chunks while these are in L2); else query head by query head
+GROUP_HEADS = True
 
 
 def kv_descriptor(x: torch.Tensor, block_n: int) -> tuple[object, int, int, int] | None:
@@ -477,7 +488,7 @@ def _attend(
         scale * _LOG2E,
         HEAD_DIM=dim, D_PAD=max(16, next_pow2(dim)), BLOCK_M=tiles.block_m, BLOCK_N=block_n,
         WINDOW=selection.window > 0, IEEE=q.dtype == torch.float32, UPCAST=interpreting() and q.dtype != torch.float32,
-        TMA=tma, REVERSE=REVERSE_TILES, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        TMA=tma, REVERSE=REVERSE_TILES, GROUPED=GROUP_HEADS and hq > hkv, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out, lse
 
