@@ -156,14 +156,16 @@ def test_flex_executor_runs_moba_token_layouts_through_the_kernel(case, monkeypa
     assert layout.row_selection is not None and layout.row_selection.group_size == 32
     calls = []
     import elasticfw.kernels.block_sparse_attention as bsa
+    import elasticfw.kernels.decode_attention as dec
 
-    real = bsa.row_selection_attention
-    monkeypatch.setattr(bsa, "row_selection_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real, real_dec = bsa.row_selection_attention, dec.decode_attention
+    monkeypatch.setattr(bsa, "row_selection_attention", lambda *a, **kw: calls.append("tiles") or real(*a, **kw))
+    monkeypatch.setattr(dec, "decode_attention", lambda *a, **kw: calls.append("decode") or real_dec(*a, **kw))
     ex = FlexExecutor(FlexConfig(sparse_kernel="triton", row_selection_strategy="tiles"))
     with torch.no_grad():
         got = ex.attend(q, k, v, layout, seq, scale=0.25)
         ref = reference_executor().attend(q, k, v, layout, seq, scale=0.25)
-    assert calls == [1]
+    assert calls == ["decode" if case == "decode" else "tiles"]  # a decode step: no 128-row tile
     rows = seq.query_valid()[:, None, :]
     torch.testing.assert_close(got.out[rows.expand_as(got.lse)], ref.out[rows.expand_as(ref.lse)], rtol=1e-5, atol=1e-5)
     finite = torch.isfinite(ref.lse) & rows

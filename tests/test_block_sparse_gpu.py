@@ -89,3 +89,55 @@ def test_gpu_token_major_kv_through_tma_with_unwritten_cache():
     assert not (got.out * rows).isnan().any()
     diff = (got.out.float() - ref.out.float()) * rows
     assert (diff.norm() / (ref.out.float() * rows).norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("n", [32768, 131072])
+def test_gpu_routed_decode_step_matches_the_reference(n):
+    """The decode kernel on a routed FA-SSA layer (full heads and streaming heads, one launch) at
+    32K and 128K cached keys, two samples at different positions with unwritten cache past the
+    shorter one, against the reference executor's float32 masked attention over the combined layout."""
+    from elasticfw.attention.mode import routed_layout
+    from elasticfw.testing.modes import make_mode, reference_executor
+    from elasticfw_plugins.executors.split import SplitConfig, SplitExecutor
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 32, 1, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(2, 8, n, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    short = n // 2 + 77
+    k[1, :, short:] = float("nan")
+    v[1, :, short:] = float("nan")
+    seq = SeqInfo(torch.tensor([n - 1, short - 1], device="cuda"), torch.tensor([n, short], device="cuda"), 1, n)
+    hard = torch.zeros(2, 32, dtype=torch.bool, device="cuda")
+    hard[0, 4:] = True  # sample 0: KV head 0 full, the rest streaming
+    hard[1, ::2] = True  # sample 1: every other query head streaming
+    with torch.no_grad():
+        layouts = (make_mode("full", {}).build_layout(q, k, seq), make_mode("streaming", {}).build_layout(q, k, seq))
+        got = SplitExecutor(SplitConfig(decode_sparse="kernel")).attend_routed(
+            q, k, v, seq, hard=hard, layouts=layouts, scale=128**-0.5)
+        ref = reference_executor().attend(q.float(), k.nan_to_num().float(), v.nan_to_num().float(),
+                                          routed_layout(hard, layouts, seq), seq, scale=128**-0.5)
+    rel = ((got.out.float() - ref.out).norm() / ref.out.norm()).item()
+    assert rel < 1e-2, rel
+    torch.testing.assert_close(got.lse, ref.lse, rtol=1e-3, atol=1e-2)
+
+
+@pytest.mark.parametrize("mode", ["moba", "nsa", "xattention"])
+def test_gpu_32k_decode_layouts_through_the_flex_executor(mode):
+    """A decode step of each data-dependent mode's layout through the flex executor (the decode
+    kernel) against FlexAttention over the same layout."""
+    from elasticfw.bench.inputs import structured_qkv
+    from elasticfw.testing.modes import make_mode
+    from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
+
+    n = 32768
+    q, k, v = (t.to("cuda", torch.bfloat16) for t in structured_qkv(1, 8, 2, n, 128, seed=0))
+    q = q[:, :, -1:]
+    seq = SeqInfo.dense(1, 1, n, device="cuda")
+    with torch.no_grad():
+        layout = make_mode(mode, {}).build_layout(q, k, seq)
+        got = FlexExecutor(FlexConfig(sparse_kernel="triton")).attend(q, k, v, layout, seq, scale=128**-0.5)
+        ref = FlexExecutor(FlexConfig(sparse_kernel="flex")).attend(q, k, v, layout, seq, scale=128**-0.5)
+    rel = ((got.out.float() - ref.out.float()).norm() / ref.out.float().norm()).item()
+    assert rel < 1e-2, rel
+    torch.testing.assert_close(got.lse, ref.lse, rtol=1e-3, atol=1e-2)

@@ -129,16 +129,18 @@ def test_flex_executor_gathers_moba_token_layouts(case, monkeypatch):
     kw = {"prefill": {}, "padded": {"kv_lens": [256, 171]}, "decode": {"kv_lens": [256, 150], "sq": 1}}[case]
     q, k, v, seq, layout = _mode_layout("moba", {"moba_block_size": 32, "top_k": 3, "block_size": 16,
                                                  "planner": "torch"}, **kw)
+    import elasticfw.kernels.decode_attention as dec
     import elasticfw.kernels.gather_attention as ga
 
     calls = []
-    real = ga.gathered_selection_attention
-    monkeypatch.setattr(ga, "gathered_selection_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real, real_dec = ga.gathered_selection_attention, dec.decode_attention
+    monkeypatch.setattr(ga, "gathered_selection_attention", lambda *a, **kw: calls.append("gather") or real(*a, **kw))
+    monkeypatch.setattr(dec, "decode_attention", lambda *a, **kw: calls.append("decode") or real_dec(*a, **kw))
     ex = FlexExecutor(FlexConfig(sparse_kernel="triton"))  # gather: the default strategy
     with torch.no_grad():
         got = ex.attend(q, k, v, layout, seq, scale=0.25)
         ref = reference_executor().attend(q, k, v, layout, seq, scale=0.25)
-    assert calls == [1]
+    assert calls == ["decode" if case == "decode" else "gather"]  # a decode step takes the decode kernel
     rows = seq.query_valid()[:, None, :].expand_as(ref.lse)
     torch.testing.assert_close(got.out[rows], ref.out[rows], rtol=1e-5, atol=1e-5)
     finite = torch.isfinite(ref.lse) & rows

@@ -231,7 +231,7 @@ def test_a_decode_step_splits_reads_only_the_window_and_stays_exact(routing, gra
     seq = SeqInfo.dense(2, 1, 200)
     hard = _hard(ROUTINGS[routing], 2, 8)
     layouts = (FULL.build_layout(q, k, seq), STREAM[granularity].build_layout(q, k, seq))
-    ex = SplitExecutor(SplitConfig(sparse="flex"))  # decode_sparse (gathered) wins over `sparse` at decode
+    ex = SplitExecutor(SplitConfig(sparse="flex"))  # decode_sparse (auto: gathered on a CPU) wins over `sparse`
     assert ex.sparse_path(q.device, seq) == "gathered"
     widths: list[int] = []
     real = F.scaled_dot_product_attention
@@ -254,6 +254,57 @@ def test_a_decode_step_splits_reads_only_the_window_and_stays_exact(routing, gra
     assert rel_rms(got, want) < TOLERANCE[torch.float32]
     ref = get_registry().get("executor", "reference")()
     assert rel_rms(got, ref.attend(q, k, v, routed_layout(hard, layouts, seq), seq, scale=0.3).out) < 1e-5
+
+
+@pytest.mark.skipif(split_module.triton_unavailable(torch.device("cpu")) is not None,
+                    reason="needs Triton's interpreter")
+@pytest.mark.parametrize("routing", ["first-full", "scattered", "all-full", "all-sparse"])
+def test_a_decode_step_through_the_decode_kernel_is_one_launch(routing, monkeypatch):
+    """``decode_sparse: kernel``: a routed decode step (samples at different positions, one routed
+    differently) is one decode-kernel launch, no SDPA call and no device read of the routing,
+    against the float64 masked attention written above and the reference executor. A token-mask
+    layout (token-granular streaming) cannot be a selection: named, under the pinned kernel."""
+    import elasticfw.kernels.decode_attention as dec
+
+    q, k, v, _ = make_inputs((2, 8, 4, 1, 200, 16))
+    seq = SeqInfo(torch.tensor([199, 150]), torch.tensor([200, 151]), 1, 200)
+    k[1, :, 151:] = float("nan")  # sample 1's unwritten cache
+    v[1, :, 151:] = float("nan")
+    hard = _hard(ROUTINGS[routing], 2, 8)
+    hard[1] = ~hard[1]
+    layouts = (FULL.build_layout(q, k, seq), STREAM["block"].build_layout(q, k, seq))
+    ex = SplitExecutor(SplitConfig(decode_sparse="kernel"))
+    launches: list[int] = []
+    real = dec.decode_attention
+
+    def counting(*args, **kw):
+        launches.append(1)
+        return real(*args, **kw)
+
+    def no_sdpa(*args, **kw):
+        raise AssertionError("SDPA called")
+
+    def no_read(self):
+        raise AssertionError("the routing was read on the host")
+
+    monkeypatch.setattr(dec, "decode_attention", counting)
+    monkeypatch.setattr(split_module.F, "scaled_dot_product_attention", no_sdpa)
+    monkeypatch.setattr(torch.Tensor, "cpu", no_read)
+    got = ex.attend_routed(q, k, v, seq, hard=hard, layouts=layouts, scale=0.3, need_lse=True)
+    monkeypatch.undo()
+    assert launches == [1] and got.lse is not None and not got.out.isnan().any()
+    want = _masked(q, k.nan_to_num(), v.nan_to_num(), seq, hard, "block", 0.3)
+    assert rel_rms(got.out, want) < 1e-5
+    ref = get_registry().get("executor", "reference")()
+    expected = ref.attend(q, k.nan_to_num(), v.nan_to_num(), routed_layout(hard, layouts, seq), seq, scale=0.3)
+    assert rel_rms(got.out, expected.out) < 1e-5
+    assert torch.allclose(got.lse, expected.lse, atol=1e-4)
+    token = (FULL.build_layout(q, k, seq), STREAM["token"].build_layout(q, k, seq))
+    with pytest.raises(BackendUnavailableError, match="decode_sparse 'kernel'.*token mask"):
+        ex.attend_routed(q, k, v, seq, hard=hard, layouts=token, scale=0.3)
+    auto = SplitExecutor(SplitConfig(decode_sparse="auto"))  # on a CPU: the gathered path, same answer
+    assert rel_rms(auto.attend_routed(q, k.nan_to_num(), v.nan_to_num(), seq, hard=hard, layouts=layouts,
+                                      scale=0.3).out, want) < 1e-5
 
 
 def test_the_gathered_path_computes_only_the_key_blocks_a_chunk_uses(monkeypatch):

@@ -21,7 +21,8 @@ Variants, per context:
   :class:`~elasticfw.model.kv_cache.ElasticKVCache` (``compact``).
 
 The prefill runs the ``--prefill-executor`` (default ``flex`` on CUDA: the dense-mask executors
-hold an S x S mask at 128K) and the decode steps the ``--decode-executor`` (default ``sdpa``);
+hold an S x S mask at 128K) and the decode steps the ``--decode-executor`` (default ``sdpa``; its
+options as JSON in ``--decode-options``);
 the runtime's executor is swapped between the two (both compute the same pairs). For each variant:
 the cache's bytes after the prefill and after the decode (every key, value and slot-position
 tensor it holds), the peak of ``torch.cuda.max_memory_allocated`` during the prefill and during
@@ -232,6 +233,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = build_model(args, device)
     registry = get_registry()
     decode_cfg = registry.entry("executor", args.decode_executor).config_class
+    try:
+        decode_settings = decode_cfg(**json.loads(args.decode_options))  # type: ignore[misc]
+    except (json.JSONDecodeError, TypeError, ValueError) as exc:
+        raise SystemExit(f"--decode-options {args.decode_options!r}: not options of executor "
+                         f"{args.decode_executor!r} ({exc})") from exc
     result: dict[str, Any] = {
         "environment": environment(device),
         "config": {k: v for k, v in vars(args).items() if k != "out"},
@@ -259,7 +265,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     section = elastic_section(args, msr, "compact" if kind == "compact_cache" else "full",
                                               args.prefill_executor)
                     elastic = ElasticModel(model, section)
-                    decode_executor = registry.make("executor", decode_cfg())  # type: ignore[misc]
+                    decode_executor = registry.make("executor", decode_settings)
                     runtime = elastic.runtime
 
                     def swap(runtime: Any = runtime, executor: Any = decode_executor) -> None:
@@ -306,6 +312,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=4, help="decode steps before timing")
     p.add_argument("--prefill-executor", default=None, help="default: flex on CUDA, sdpa elsewhere")
     p.add_argument("--decode-executor", default="sdpa")
+    p.add_argument("--decode-options", default="{}",
+                   help='the decode executor\'s options as JSON, e.g. \'{"decode_sparse": "gathered"}\' for split')
     p.add_argument("--decode-sdpa", default="flash,efficient,math",
                    help="SDPA backends of the decode steps on CUDA, in order ('auto': torch's choice, cuDNN first "
                    "on Hopper, which re-plans for every new key length)")

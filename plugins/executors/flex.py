@@ -359,8 +359,9 @@ class FlexExecutor(Executor):
     def _attend_triton(
         self, q, k, v, layout: BlockLayout, seq: SeqInfo, *, scale: float, keep_heads: torch.Tensor | None
     ) -> AttentionOutput:
-        """The Triton block-sparse kernel over ``layout``; a reusable layout's work lists are built
-        once per SeqInfo signature and tile shape and kept beside the BlockMasks."""
+        """The Triton block-sparse kernel over ``layout`` (a decode step, one query row per sample:
+        the decode kernel, :mod:`elasticfw.kernels.decode_attention`); a reusable layout's work lists
+        are built once per SeqInfo signature and tile shape and kept beside the BlockMasks."""
         from elasticfw.kernels.block_sparse_attention import (
             DEFAULT_TILES,
             Tiles,
@@ -370,6 +371,13 @@ class FlexExecutor(Executor):
         )
 
         cfg = self.config
+        if seq.q_len == 1:  # a decode step: the decode kernel, no 128-row query tile, no work lists
+            from elasticfw.kernels import decode_attention as dec
+
+            selection = layout_selection(layout)
+            if selection is not None and dec.unsupported(q, selection) is None:
+                out, lse = dec.decode_attention(q, k, v, selection, seq, scale=scale, keep_heads=keep_heads)
+                return AttentionOutput(out, lse)
         tiles = DEFAULT_TILES if cfg.sparse_kernel_tiles is None else Tiles(*cfg.sparse_kernel_tiles)
         if cfg.row_selection_strategy == "gather" and layout.row_selection is not None:
             from elasticfw.kernels import gather_attention

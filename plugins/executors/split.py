@@ -67,9 +67,10 @@ from pydantic import Field
 
 from elasticfw.attention.executor import Executor, ExecutorConfig
 from elasticfw.attention.layout import BlockLayout, expand_heads, select_heads
-from elasticfw.attention.mode import AttentionOutput
+from elasticfw.attention.mode import AttentionOutput, routed_layout
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError, UnsupportedInputError
+from elasticfw.kernels import triton_unavailable
 from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
 
 DenseBackend = Literal["auto", "cudnn", "flash", "efficient", "math", "flash_attn"]
@@ -94,10 +95,12 @@ class SplitConfig(ExecutorConfig):
     query_chunk: int = Field(
         192, ge=1, description="Gathered path: query rows per SDPA call (the key blocks are gathered per chunk)."
     )
-    decode_sparse: Literal["gathered", "flex"] = Field(
-        "gathered",
-        description="Sparse path of decode steps (one query row per sample): `gathered` (SDPA over only the key "
-        "blocks the row reads, no query padding) or `flex` (the query padded to one FlexAttention tile).",
+    decode_sparse: Literal["auto", "kernel", "gathered", "flex"] = Field(
+        "auto",
+        description="Path of decode steps (one query row per sample) that are not plain dense attention: `kernel` "
+        "(the Triton decode kernel: a routed layer in one launch, both layouts' heads, split over the keys, no "
+        "device read), `gathered` (SDPA over only the key blocks the row reads), `flex` (the query padded to one "
+        "FlexAttention tile); `auto`: kernel on CUDA where it takes the layouts, gathered elsewhere.",
     )
 
     def check_layout_block_size(self, block_size: int) -> None:
@@ -151,6 +154,26 @@ def _dense_shape(seq: SeqInfo) -> bool:
     return _plain_prefill(seq) or _dense_decode(seq)
 
 
+def _decode_kernel_reason(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layouts: tuple[BlockLayout, ...]
+) -> str | None:
+    """``None`` when the Triton decode kernel computes these layouts for ``q``, else why not."""
+    reason = triton_unavailable(q.device)
+    if reason is not None:
+        return reason
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return "it has no backward (autograd is recording)"
+    try:
+        from elasticfw.kernels.block_sparse_attention import layout_selection
+        from elasticfw.kernels.decode_attention import unsupported
+    except ImportError as exc:  # triton installed but broken
+        return f"the Triton kernel failed to import ({exc})"
+    selections = [layout_selection(layout) for layout in layouts]
+    if any(s is None for s in selections):
+        return "a layout has a token mask (pairs inside blocks) that is not a row selection"
+    return unsupported(q, *selections)  # type: ignore[arg-type]
+
+
 def _take_heads(t: torch.Tensor, heads: list[int]) -> torch.Tensor:
     """Heads ``heads`` (ascending) of a (B, H, S, D) tensor: a view for a contiguous range, else a gather."""
     if heads == list(range(heads[0], heads[-1] + 1)):
@@ -196,10 +219,14 @@ class SplitExecutor(Executor):
 
     # -- decisions -----------------------------------------------------------------------------
     def sparse_path(self, device: torch.device, seq: SeqInfo | None = None) -> str:
-        """``flex`` or ``gathered``: the path of layouts that are not dense causal, on ``device``
-        (for decode steps of ``seq``, one query row per sample: ``decode_sparse``)."""
+        """``flex`` or ``gathered`` (or ``kernel`` at decode): the path of layouts that are not dense
+        causal, on ``device`` (for decode steps of ``seq``, one query row per sample:
+        ``decode_sparse``, ``auto`` resolved to ``kernel`` on CUDA where Triton runs)."""
         if seq is not None and seq.q_len == 1:
-            return self.config.decode_sparse
+            choice = self.config.decode_sparse
+            if choice == "auto":
+                return "kernel" if device.type == "cuda" and triton_unavailable(device) is None else "gathered"
+            return choice
         choice = self.config.sparse
         if choice == "auto":
             return "flex" if device.type == "cuda" else "gathered"
@@ -238,6 +265,16 @@ class SplitExecutor(Executor):
         need_lse: bool = True,
     ) -> AttentionOutput:
         lay_r, lay_s = layouts
+        if self.sparse_path(q.device, seq) == "kernel" and (
+            self.config.decode_sparse == "kernel" or _decode_kernel_reason(q, k, v, layouts) is None
+        ):  # a decode step: both layouts' heads in one launch
+            for layout in layouts:
+                self.check_inputs(q, k, v, seq, layout, scale=scale)
+            if hard.shape != (q.shape[0], q.shape[1]):
+                raise UnsupportedInputError(
+                    f"executor 'split': hard must be (batch, query heads) = {tuple(q.shape[:2])}, got {tuple(hard.shape)}"
+                )
+            return self.decode_kernel(q, k, v, seq, layouts, scale=scale, need_lse=need_lse, second_heads=hard)
         dense_heads = self.split_heads(q, k, seq, hard, layouts, need_lse)
         if dense_heads is None:
             return super().attend_routed(q, k, v, seq, hard=hard, layouts=layouts, scale=scale, need_lse=need_lse)
@@ -350,9 +387,50 @@ class SplitExecutor(Executor):
         scale: float,
         need_lse: bool,
     ) -> AttentionOutput:
-        if self.sparse_path(q.device, seq) == "flex":
+        path = self.sparse_path(q.device, seq)
+        if path == "flex":
             return self.flex_executor().attend(q, k, v, layout, seq, scale=scale, need_lse=need_lse)
+        if path == "kernel":
+            return self.decode_kernel(q, k, v, seq, (layout,), scale=scale, need_lse=need_lse)
         return self.gathered(q, k, v, layout, seq, scale=scale, need_lse=need_lse)
+
+    def decode_kernel(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seq: SeqInfo,
+        layouts: tuple[BlockLayout, ...],
+        *,
+        scale: float,
+        need_lse: bool,
+        second_heads: torch.Tensor | None = None,
+    ) -> AttentionOutput:
+        """A decode step through the Triton decode kernel (:mod:`elasticfw.kernels.decode_attention`):
+        one layout, or two with ``second_heads`` (B, Hq) the heads reading the second. A layout or
+        input it cannot take raises (``decode_sparse: kernel`` named) under a pinned ``kernel``, and
+        takes the gathered path under ``auto``."""
+        reason = _decode_kernel_reason(q, k, v, layouts)
+        if reason is None:
+            from elasticfw.kernels.block_sparse_attention import layout_selection
+            from elasticfw.kernels.decode_attention import decode_attention
+
+            sels = [layout_selection(layout) for layout in layouts]
+            assert all(s is not None for s in sels)  # _decode_kernel_reason said so
+            out, lse = decode_attention(
+                q, k, v, sels[0], seq, scale=scale,  # type: ignore[arg-type]
+                second=sels[1] if len(sels) > 1 else None, second_heads=second_heads,
+            )
+            return AttentionOutput(out, lse if need_lse else None)
+        if self.config.decode_sparse == "kernel":
+            raise BackendUnavailableError(
+                f"executor 'split': decode_sparse 'kernel' cannot run this decode step: {reason} (set "
+                "elastic.executor.decode_sparse to 'auto' or 'gathered')"
+            )
+        if second_heads is None:
+            return self.gathered(q, k, v, layouts[0], seq, scale=scale, need_lse=need_lse)
+        combined = routed_layout(second_heads, (layouts[0], layouts[1]), seq)
+        return self.gathered(q, k, v, combined, seq, scale=scale, need_lse=need_lse)
 
     def gathered(
         self,

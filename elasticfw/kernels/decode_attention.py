@@ -1,0 +1,289 @@
+"""Decode attention (Triton): one query row per sample over a selection, split over the keys,
+without work lists and without padding the row to a query tile.
+
+What it computes is :mod:`~elasticfw.kernels.block_sparse_attention`'s definition at ``q_len = 1``:
+the query of sample ``b`` sits at position ``p = q_start[b]`` and query head ``h`` sees key ``j``
+iff ``j <= p``, ``j < kv_len[b]`` and (flag row 0 of its selection table selects ``j``'s group, or
+``p - window < j``). A *routed* call takes two selections and the heads that read the second
+(``second_heads`` (B or 1, Hq) bool; Elastic Attention's hard routing: the first selection is the
+retrieval mode's, the second the sparse mode's), so a routed layer's decode step is one launch
+whatever its routing: no split of the heads, no combined layout, no device read on the host.
+Float32 accumulation, the output in the input dtype and the natural-log ``lse`` (a head that sees
+no key: zero output, ``lse = -inf``).
+
+* **Programs.** One per (key split, KV head, sample); its rows are the GQA group's query heads
+  (padded to at least 16 rows for the tensor cores), so every K/V chunk is read once per group.
+  The keys ``[0, kv_capacity)`` are cut into ``splits`` ranges of whole chunks
+  (flash-decoding's split-KV), enough ranges to fill the GPU (:func:`num_splits`).
+* **Chunks.** A program first loads the flags of its range's chunks for all its rows at once
+  (one load per selection), keeps the chunks some row sees (its flags, its window, causality,
+  ``kv_len``), compacts them in registers with a cumulative sum, and then visits only those: a
+  streaming head's program whose range holds neither its sink nor its window reads no key.
+  Chunks are ``BLOCK_N`` keys, the largest power of two (16 to 64) dividing both selections'
+  group sizes; keys past ``kv_len`` are never read (loads clamped below it).
+* **Merge.** Each program writes its rows' unnormalised partial (accumulator, running maximum,
+  sum) to float32 scratch; a second launch merges the splits by log-sum-exp into the output.
+
+Memory beyond the inputs and outputs: ``4 * B * Hq * splits * (D + 2)`` bytes of partials.
+Forward only. :func:`unsupported` says when it cannot run (no Triton on the device, a dtype other
+than float16 / bfloat16 / float32, a head dim above 256, a group size not a multiple of 16).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from elasticfw.attention.layout import RowSelection
+from elasticfw.attention.seq import SeqInfo
+from elasticfw.errors import BackendUnavailableError
+from elasticfw.kernels import interpreting, next_pow2, unsupported_tensor
+from elasticfw.kernels.block_sparse_attention import MAX_HEAD_DIM, attend_chunk, load_rows
+
+__all__ = ["decode_attention", "num_splits", "unsupported"]
+
+_LOG2E = 1.4426950408889634
+#: the widest key chunk (decode reads K/V once: narrow chunks keep a split's registers small)
+MAX_BLOCK_N = 64
+#: the most chunks one program's range holds (its flags and their compaction live in registers)
+MAX_CHUNKS_PER_SPLIT = 256
+
+
+def unsupported(q: torch.Tensor, *selections: RowSelection) -> str | None:
+    """``None`` when :func:`decode_attention` can run ``q`` (B, Hq, 1, D) over ``selections``."""
+    reason = unsupported_tensor(q, "Triton decode kernel")
+    if reason is not None:
+        return reason
+    if q.shape[-1] > MAX_HEAD_DIM:
+        return f"head_dim {q.shape[-1]} is above the Triton decode kernel's {MAX_HEAD_DIM}"
+    for selection in selections:
+        if selection.group_size % 16:
+            return f"key group size {selection.group_size} is not a multiple of 16"
+    return None
+
+
+def _chunk(selections: tuple[RowSelection, ...]) -> int:
+    n = MAX_BLOCK_N
+    while any(s.group_size % n for s in selections):
+        n //= 2
+    return n
+
+
+def num_splits(device: torch.device, programs_per_split: int, chunks: int) -> int:
+    """Key ranges per (sample, KV head): about two programs per streaming multiprocessor on a GPU
+    (four ranges under the interpreter), at least enough that no range exceeds
+    :data:`MAX_CHUNKS_PER_SPLIT` chunks, and never more ranges than chunks."""
+    if device.type == "cuda":
+        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 4 * programs_per_split
+    splits = max(triton.cdiv(target, max(programs_per_split, 1)), triton.cdiv(chunks, MAX_CHUNKS_PER_SPLIT))
+    return max(1, min(splits, chunks))
+
+
+@triton.jit
+def _row_flags(sel_ptr, b, h, stride_b, stride_h, stride_g, sel_group, group_size, groups, cpos, row_ok):
+    """(rows, chunks) flags of flag row 0 for the chunks starting at key positions ``cpos`` (groups
+    past the table's ``groups``: not selected)."""
+    base = sel_ptr + b.to(tl.int64) * stride_b + (h // sel_group).to(tl.int64) * stride_h
+    g = cpos // group_size
+    return tl.load(base[:, None] + g[None, :].to(tl.int64) * stride_g,
+                   mask=row_ok[:, None] & (g < groups)[None, :], other=0) != 0
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, sel_a, sel_b, second_ptr, keep_ptr, q_start_ptr, kv_len_ptr,
+    acc_ptr, m_ptr, l_ptr,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_ab, stride_ah, stride_ag, stride_bb, stride_bh, stride_bg,
+    stride_2b, stride_2h, stride_eb, stride_eh,
+    group_a, window_a, selgrp_a, groups_a, group_b, window_b, selgrp_b, groups_b,
+    hq, kv_group, chunks_per_split, splits, qk_scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    CHUNKS: tl.constexpr, TWO: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    split = tl.program_id(0)
+    kh = tl.program_id(1)
+    b = tl.program_id(2)
+    r = tl.arange(0, BLOCK_H)
+    row_ok = r < kv_group
+    h = kh * kv_group + tl.where(row_ok, r, 0)
+    pos = tl.load(q_start_ptr + b).to(tl.int32)
+    kv_len = tl.load(kv_len_ptr + b).to(tl.int32)
+    kept = row_ok & (tl.load(keep_ptr + b.to(tl.int64) * stride_eb + h.to(tl.int64) * stride_eh) != 0)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    EVEN_D: tl.constexpr = HEAD_DIM == D_PAD
+    qv = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h[:, None].to(tl.int64) * stride_qh + d[None, :] * stride_qd,
+                 mask=kept[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:  # the interpreter multiplies 16-bit bit patterns as integers: upcast (exact)
+        qv = qv.to(tl.float32)
+    # the chunks of this range some row sees: flags (or window), causality and kv_len
+    ci = split * chunks_per_split + tl.arange(0, CHUNKS)
+    cpos = ci * BLOCK_N
+    in_range = (tl.arange(0, CHUNKS) < chunks_per_split) & (cpos <= pos) & (cpos < kv_len)
+    seen = _row_flags(sel_a, b, h, stride_ab, stride_ah, stride_ag, selgrp_a, group_a, groups_a, cpos, kept)
+    seen = seen | ((cpos + BLOCK_N - 1 > pos - window_a) & (window_a > 0))[None, :]
+    if TWO:
+        use_b = kept & (tl.load(second_ptr + b.to(tl.int64) * stride_2b + h.to(tl.int64) * stride_2h) != 0)
+        seen_b = _row_flags(sel_b, b, h, stride_bb, stride_bh, stride_bg, selgrp_b, group_b, groups_b, cpos, kept)
+        seen_b = seen_b | ((cpos + BLOCK_N - 1 > pos - window_b) & (window_b > 0))[None, :]
+        seen = tl.where(use_b[:, None], seen_b, seen)
+    need = (tl.max((seen & kept[:, None]).to(tl.int32), axis=0) > 0) & in_range  # (CHUNKS,)
+    rank = tl.cumsum(need.to(tl.int32), axis=0)  # the e-th needed chunk has rank e + 1
+    count = tl.sum(need.to(tl.int32), axis=0)
+
+    kb = k_ptr + b.to(tl.int64) * stride_kb + kh.to(tl.int64) * stride_kh
+    vb = v_ptr + b.to(tl.int64) * stride_vb + kh.to(tl.int64) * stride_vh
+    n = tl.arange(0, BLOCK_N)
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, D_PAD), tl.float32)
+    for e in range(0, count):
+        c = tl.sum(tl.where(need & (rank == e + 1), ci, 0), axis=0)
+        kpos = c * BLOCK_N + n
+        fa = _row_flags(sel_a, b, h, stride_ab, stride_ah, stride_ag, selgrp_a, group_a, groups_a,
+                        c * BLOCK_N + tl.zeros((1,), tl.int32), kept)
+        row_seen = fa | ((kpos > pos - window_a) & (window_a > 0))[None, :]
+        if TWO:
+            fb = _row_flags(sel_b, b, h, stride_bb, stride_bh, stride_bg, selgrp_b, group_b, groups_b,
+                            c * BLOCK_N + tl.zeros((1,), tl.int32), kept)
+            row_seen = tl.where(use_b[:, None], fb | ((kpos > pos - window_b) & (window_b > 0))[None, :], row_seen)
+        ok = row_seen & kept[:, None] & (kpos <= pos)[None, :] & (kpos < kv_len)[None, :]
+        kt = load_rows(kb, tl.minimum(kpos, kv_len - 1), stride_ks, stride_kd, d, d_ok, EVEN_D)
+        vt = load_rows(vb, tl.minimum(kpos, kv_len - 1), stride_vs, stride_vd, d, d_ok, EVEN_D)
+        acc, m_i, l_i = attend_chunk(acc, m_i, l_i, qv, kt, vt, ok, qk_scale, MASKED=True, IEEE=IEEE, UPCAST=UPCAST)
+    part = (b * hq + h).to(tl.int64) * splits + split  # (rows,) partial slots
+    tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(m_ptr + part, m_i, mask=row_ok)
+    tl.store(l_ptr + part, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, stride_ob, stride_oh, stride_od, hq, splits,
+                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr):
+    row = tl.program_id(0)  # b * hq + h
+    s = tl.arange(0, SPLITS)
+    s_ok = s < splits
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    base = row.to(tl.int64) * splits
+    m = tl.load(m_ptr + base + s, mask=s_ok, other=float("-inf"))
+    lsum = tl.load(l_ptr + base + s, mask=s_ok, other=0.0)
+    mx = tl.max(m, axis=0)
+    shift = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.where(lsum > 0, tl.exp2(m - shift), 0.0)
+    total = tl.sum(lsum * w, axis=0)
+    acc = tl.load(acc_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    seen = total > 0
+    out = tl.where(seen, tl.sum(acc * w[:, None], axis=0) / tl.where(seen, total, 1.0), 0.0)
+    b = row // hq
+    h = row % hq
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + d * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    lse = tl.where(seen, (shift + tl.log2(tl.where(seen, total, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(lse_ptr + row, lse)
+
+
+def _table(selection: RowSelection, batch: int, hq: int, caller: str) -> torch.Tensor:
+    sel = selection.selected
+    if sel.shape[0] not in (1, batch) or hq % sel.shape[1] or sel.shape[2] < 1:
+        raise ValueError(
+            f"{caller}: a selection table must be (1 or B={batch}, H dividing {hq}, rows >= 1, G), got {tuple(sel.shape)}"
+        )
+    sel = sel[:, :, 0]  # flag row 0: the row of the one query of each sample
+    sel = sel.view(torch.uint8) if sel.dtype == torch.bool else sel
+    return sel.expand(batch, *sel.shape[1:]) if sel.shape[0] != batch else sel
+
+
+def _heads(mask: torch.Tensor | None, batch: int, hq: int, name: str, device: torch.device, default: bool) -> torch.Tensor:
+    if mask is None:
+        return torch.full((1, hq), int(default), dtype=torch.uint8, device=device).expand(batch, hq)
+    if mask.dim() != 2 or mask.shape[0] not in (1, batch) or mask.shape[1] != hq:
+        raise ValueError(f"decode_attention: {name} must be (1 or {batch}, {hq}), got {tuple(mask.shape)}")
+    return mask.to(torch.uint8).expand(batch, hq)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    selection: RowSelection,
+    seq: SeqInfo,
+    *,
+    scale: float,
+    second: RowSelection | None = None,
+    second_heads: torch.Tensor | None = None,
+    keep_heads: torch.Tensor | None = None,
+    splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, Hq, 1, D) in q's dtype, lse (B, Hq, 1) float32) of a decode step (module
+    docstring): ``q`` (B, Hq, 1, D), ``k`` / ``v`` (B, Hkv, S, D), any strides. Query head ``h`` of
+    sample ``b`` reads ``second`` where ``second_heads[b, h]`` (both given, or neither), else
+    ``selection``; ``keep_heads`` (B or 1, Hq) bool: heads outside it compute nothing (zero
+    output, ``-inf`` lse). ``splits``: key ranges per (sample, KV head) (default
+    :func:`num_splits`). Raises :class:`~elasticfw.errors.BackendUnavailableError` where
+    :func:`unsupported` gives a reason, ``ValueError`` for shapes that do not fit."""
+    selections = (selection,) if second is None else (selection, second)
+    reason = unsupported(q, *selections)
+    if reason is not None:
+        raise BackendUnavailableError(f"Triton decode_attention: {reason}")
+    if (second is None) != (second_heads is None):
+        raise ValueError("decode_attention: give second and second_heads together")
+    batch, hq, q_len, dim = q.shape
+    hkv = k.shape[1]
+    if q_len != 1 or seq.q_len != 1:
+        raise ValueError(f"decode_attention: one query row per sample, got q of {q_len} rows (seq.q_len {seq.q_len})")
+    seq.check(q, k)
+    if k.dtype != q.dtype or v.dtype != q.dtype or v.shape[-1] != dim or hq % hkv:
+        raise ValueError(
+            f"decode_attention: q, k, v must share dtype and head dim, and KV heads divide {hq}; got "
+            f"{q.dtype}/{k.dtype}/{v.dtype}, head dims {dim}/{k.shape[-1]}/{v.shape[-1]}, {hkv} KV heads"
+        )
+    out = torch.empty(batch, hq, 1, dim, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, hq, 1, dtype=torch.float32, device=q.device)
+    if batch * hq == 0:
+        return out, lse
+    sel_a = _table(selection, batch, hq, "decode_attention")
+    sel_b = _table(second, batch, hq, "decode_attention") if second is not None else sel_a
+    use_b = _heads(second_heads, batch, hq, "second_heads", q.device, False)
+    keep = _heads(keep_heads, batch, hq, "keep_heads", q.device, True)
+    block_n = _chunk(selections)
+    chunks = triton.cdiv(seq.kv_capacity, block_n)
+    if splits is None:
+        splits = num_splits(q.device, batch * hkv, chunks)
+    elif not 1 <= splits <= chunks:
+        raise ValueError(f"decode_attention: splits must be in [1, {chunks}] (the key chunks), got {splits}")
+    per_split = triton.cdiv(chunks, splits)
+    if per_split > MAX_CHUNKS_PER_SPLIT:
+        raise ValueError(f"decode_attention: {splits} splits leave {per_split} chunks per split, above "
+                         f"{MAX_CHUNKS_PER_SPLIT}")
+    splits = triton.cdiv(chunks, per_split)
+    group = hq // hkv
+    acc = torch.empty(batch * hq * splits, dim, dtype=torch.float32, device=q.device)
+    m = torch.empty(batch * hq * splits, dtype=torch.float32, device=q.device)
+    lsum = torch.empty_like(m)
+    b_sel = second if second is not None else selection
+    q_start, kv_len = seq.q_start.contiguous(), seq.kv_len.contiguous()
+    d_pad = max(16, next_pow2(dim))
+    _decode_split_kernel[(splits, hkv, batch)](
+        q, k, v, sel_a, sel_b, use_b, keep, q_start, kv_len, acc, m, lsum,
+        q.stride(0), q.stride(1), q.stride(3), *k.stride(), *v.stride(),
+        sel_a.stride(0), sel_a.stride(1), sel_a.stride(2), sel_b.stride(0), sel_b.stride(1), sel_b.stride(2),
+        *use_b.stride(), *keep.stride(),
+        selection.group_size, selection.window, hq // selection.selected.shape[1], sel_a.shape[2],
+        b_sel.group_size, b_sel.window, hq // b_sel.selected.shape[1], sel_b.shape[2],
+        hq, group, per_split, splits, scale * _LOG2E,
+        HEAD_DIM=dim, D_PAD=d_pad, BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n,
+        CHUNKS=max(16, next_pow2(per_split)), TWO=second is not None, IEEE=q.dtype == torch.float32,
+        UPCAST=interpreting() and q.dtype != torch.float32, num_warps=4, num_stages=2,
+    )
+    _merge_kernel[(batch * hq,)](
+        acc, m, lsum, out, lse, out.stride(0), out.stride(1), out.stride(3), hq, splits,
+        HEAD_DIM=dim, D_PAD=d_pad, SPLITS=max(2, next_pow2(splits)), num_warps=4,
+    )
+    return out, lse

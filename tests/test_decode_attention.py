@@ -1,0 +1,111 @@
+"""The Triton decode kernel under the interpreter, against the float64 RowSelection definition of
+test_block_sparse_attention (``_brute`` at ``q_len = 1``), per head for routed calls: GQA groups of
+1, 3 and 4 query heads, selection tables per query head, per KV head and shared, sliding windows,
+samples at different positions with unwritten (NaN) cache past ``kv_len``, heads that see nothing,
+several key splits, and a routed layer through the executors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_block_sparse_attention import _brute, _seq
+
+from elasticfw.attention.layout import RowSelection
+from elasticfw.attention.seq import SeqInfo
+from elasticfw.kernels import triton_unavailable
+
+pytestmark = pytest.mark.skipif(triton_unavailable(torch.device("cpu")) is not None, reason="needs Triton's interpreter")
+
+
+def _decode_inputs(seq, hq, hkv, dim, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(seq.batch, hq, 1, dim, generator=g).to(dtype)
+    k = torch.randn(seq.batch, hkv, seq.kv_capacity, dim, generator=g).to(dtype)
+    v = torch.randn(seq.batch, hkv, seq.kv_capacity, dim, generator=g).to(dtype)
+    for b in range(seq.batch):  # the cache past kv_len is unwritten memory: it must never be read
+        k[b, :, int(seq.kv_len[b]):] = float("nan")
+        v[b, :, int(seq.kv_len[b]):] = float("nan")
+    return q, k, v
+
+
+def _check(out, lse, ref_out, ref_lse, tol):
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=tol)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-5, atol=1e-4)
+    assert (out[~finite] == 0).all()
+
+
+CASES = {
+    # name: (seq, Hq, Hkv, table heads, D, dtype, groups, group size, window, splits)
+    "gqa4_per_query_head": (lambda: _seq([299, 180], [300, 181], 1, 300), 8, 2, 8, 32, torch.float32, 10, 32, 0, 3),
+    "gqa3_window_per_kv_head": (lambda: _seq([260, 100], [261, 101], 1, 261), 6, 2, 2, 16, torch.float32, 17, 16,
+                                40, None),
+    "mha_shared_table_bf16": (lambda: SeqInfo.dense(1, 1, 200), 2, 2, 1, 32, torch.bfloat16, 4, 64, 0, 4),
+    "narrow_table_fp16": (lambda: _seq([150], [151], 1, 151), 4, 1, 4, 16, torch.float16, 3, 32, 0, 1),
+    "q_before_the_last_key": (lambda: _seq([90, 40], [130, 64], 1, 130), 4, 2, 4, 16, torch.float32, 9, 16, 20, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_decode_kernel_matches_the_definition(name):
+    from elasticfw.kernels.decode_attention import decode_attention
+
+    make, hq, hkv, hs, dim, dtype, groups, gsize, window, splits = CASES[name]
+    seq = make()
+    q, k, v = _decode_inputs(seq, hq, hkv, dim, dtype, seed=len(name))
+    g = torch.Generator().manual_seed(3)
+    selected = torch.rand(seq.batch, hs, 1, groups, generator=g) < 0.4
+    selected[0, 0] = False  # head 0 of sample 0 selects nothing: only its window, or no key at all
+    selection = RowSelection(selected, gsize, row_block=1, window=window)
+    out, lse = decode_attention(q, k, v, selection, seq, scale=dim**-0.5, splits=splits)
+    wide = -(-seq.kv_capacity // gsize)  # the definition: groups past a narrow table are not selected
+    padded = torch.nn.functional.pad(selected, (0, max(0, wide - groups)))
+    ref_out, ref_lse = _brute(q, k, v, padded, gsize, seq, dim**-0.5, window=window)
+    _check(out, lse, ref_out, ref_lse, 1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_routed_decode_reads_each_heads_own_selection():
+    """Two selections (a dense causal one of 64-key blocks and a sparse one of 16-key groups with a
+    window) and per-head routing: each head must meet the definition of its own selection."""
+    from elasticfw.kernels.decode_attention import decode_attention
+
+    seq = _seq([250, 120], [251, 121], 1, 251)
+    q, k, v = _decode_inputs(seq, 8, 2, 32, torch.float32, seed=11)
+    g = torch.Generator().manual_seed(4)
+    dense = RowSelection(torch.ones(1, 1, 1, 4, dtype=torch.bool), 64, row_block=64)
+    sparse_flags = torch.rand(2, 8, 1, 16, generator=g) < 0.3
+    sparse = RowSelection(sparse_flags, 16, window=32)
+    second = torch.tensor([[True, True, True, True, False, False, False, False],
+                           [False, True, False, True, False, True, False, True]])
+    keep = torch.ones(1, 8, dtype=torch.bool)
+    keep[0, 6] = False
+    out, lse = decode_attention(q, k, v, dense, seq, scale=0.2, second=sparse, second_heads=second,
+                                keep_heads=keep, splits=3)
+    ref_dense = _brute(q, k, v, torch.ones(1, 1, 1, 4, dtype=torch.bool), 64, seq, 0.2)
+    ref_sparse = _brute(q, k, v, sparse_flags, 16, seq, 0.2, window=32)
+    pick = second[:, :, None, None]
+    ref_out = torch.where(pick, ref_sparse[0], ref_dense[0])
+    ref_lse = torch.where(pick[..., 0], ref_sparse[1], ref_dense[1])
+    ref_out[:, 6], ref_lse[:, 6] = 0.0, float("-inf")  # head 6 left out: nothing computed
+    _check(out, lse, ref_out, ref_lse, 1e-5)
+
+
+def test_decode_kernel_errors_name_the_problem():
+    from elasticfw.errors import BackendUnavailableError
+    from elasticfw.kernels.decode_attention import decode_attention
+
+    seq = SeqInfo.dense(1, 1, 64)
+    q, k, v = _decode_inputs(seq, 2, 1, 16, torch.float32, seed=0)
+    sel = RowSelection(torch.ones(1, 1, 1, 2, dtype=torch.bool), 32)
+    with pytest.raises(BackendUnavailableError, match="group size 24"):
+        decode_attention(q, k, v, RowSelection(torch.ones(1, 1, 1, 3, dtype=torch.bool), 24), seq, scale=1.0)
+    with pytest.raises(ValueError, match="one query row"):
+        decode_attention(q.expand(1, 2, 2, 16), k, v, sel, SeqInfo.dense(1, 2, 64), scale=1.0)
+    with pytest.raises(ValueError, match="together"):
+        decode_attention(q, k, v, sel, seq, scale=1.0, second=sel)
+    with pytest.raises(ValueError, match="splits must be in"):
+        decode_attention(q, k, v, sel, seq, scale=1.0, splits=99)
+    with pytest.raises(ValueError, match="keep_heads must be"):
+        decode_attention(q, k, v, sel, seq, scale=1.0, keep_heads=torch.ones(1, 3, dtype=torch.bool))
