@@ -145,7 +145,10 @@ class SeqInfo:
     def num_query_blocks(self, block_size: int) -> int:
         """Rows of a block layout: enough position blocks to cover every sample's queries."""
         key = ("query_blocks", block_size)
-        if key not in self._memo:
+        if key not in self._memo and ("dense", 0) in self._memo:  # every q_start is kv_capacity - q_len
+            offset = (self.kv_capacity - self.q_len) % block_size
+            self._memo[key] = (offset + self.q_len + block_size - 1) // block_size if self.batch else 0
+        if key not in self._memo:  # one device read per SeqInfo and block size
             first = self.q_start % block_size
             self._memo[key] = (
                 int(((first + self.q_len + block_size - 1) // block_size).max().item()) if self.batch else 0

@@ -78,6 +78,10 @@ class _Store:
     keys: torch.Tensor
     values: torch.Tensor
     positions: torch.Tensor | None
+    #: ``(h0, h1)`` when the pairs are every sample's KV heads ``h0 .. h1 - 1``, sample by sample (the
+    #: usual case: one routing for the batch, a contiguous range of heads): the store's queries and
+    #: new tokens are then slices of the layer's, not gathers
+    span: tuple[int, int] | None = None
 
     @property
     def size(self) -> int:
@@ -93,6 +97,12 @@ class _Store:
             return position
         sink, local = self.keep.sink_tokens, self.keep.local_tokens
         return torch.where(position < sink, position, sink + (position - sink) % local)
+
+    def slot_at(self, position: int) -> int:
+        """:meth:`slot_of` of a position known on the host."""
+        if self.keep is None or position < self.keep.sink_tokens:
+            return position
+        return self.keep.sink_tokens + (position - self.keep.sink_tokens) % self.keep.local_tokens
 
     def slots_for(self, max_length: int) -> int:
         """Slots a store needs once its longest sequence has ``max_length`` tokens."""
@@ -122,6 +132,15 @@ class _Store:
         if self.positions is not None:
             self.positions[rows, slot] = position.to(self.positions.dtype)
 
+    def write_at(self, position: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store one token at the same host-known ``position`` for every pair (slice writes, no index
+        tensors): ``k`` / ``v`` (N, D)."""
+        slot = self.slot_at(position)
+        self.keys[:, slot] = k.to(self.keys.dtype)
+        self.values[:, slot] = v.to(self.values.dtype)
+        if self.positions is not None:
+            self.positions[:, slot] = position
+
 
 def _prefill_positions(keep: DecodeKeep, lengths: torch.Tensor, slots: int) -> torch.Tensor:
     """(N, slots) position held by each compact slot after ``lengths`` tokens (-1: empty): the sink
@@ -135,6 +154,14 @@ def _prefill_positions(keep: DecodeKeep, lengths: torch.Tensor, slots: int) -> t
     latest = sink + r + local * torch.div((past - 1 - r).clamp_min(0), local, rounding_mode="floor")
     in_ring = torch.where(past > r, latest, torch.full_like(latest, -1))
     return torch.where(s < sink, in_sink, in_ring)
+
+
+def _head_span(pairs: torch.Tensor, batch: int) -> tuple[int, int] | None:
+    """``(h0, h1)`` when ``pairs`` (N, 2) of (sample, KV head), in row-major order, are exactly every
+    sample's heads ``h0 .. h1 - 1`` (:attr:`_Store.span`), else ``None``."""
+    listed = [tuple(p) for p in pairs.tolist()]
+    h0, h1 = min(h for _, h in listed), max(h for _, h in listed) + 1
+    return (h0, h1) if listed == [(b, h) for b in range(batch) for h in range(h0, h1)] else None
 
 
 class ElasticKVLayer(DynamicLayer):
@@ -271,7 +298,7 @@ class ElasticKVLayer(DynamicLayer):
                 continue
             b, h = pairs[:, 0], pairs[:, 1]
             keep = mode.decode_keep()
-            store = _Store(mode, keep, b, h, can.k[:0, 0], can.v[:0, 0], None)
+            store = _Store(mode, keep, b, h, can.k[:0, 0], can.v[:0, 0], None, _head_span(pairs, len(self.lengths)))
             slots = store.slots_for(longest + self.growth)
             if keep is None:
                 n, d, dv = b.shape[0], can.k.shape[-1], can.v.shape[-1]
@@ -305,43 +332,67 @@ class ElasticKVLayer(DynamicLayer):
         group = hq // hkv
         positions = self.lengths_t[:, None] + torch.arange(steps, device=q.device)[None, :]  # (B, S)
         longest = max(self.lengths, default=0) + steps
+        # every sample as long (known on the host): the new tokens' positions are host integers
+        first = self.lengths[0] if self.lengths and all(n == self.lengths[0] for n in self.lengths) else None
         qg_all = q.reshape(batch, hkv, group, steps, q.shape[-1])
         out = q.new_empty(batch, hkv, group, steps, v_new.shape[-1])
         for store in self.stores:
             b, h = store.samples, store.heads
-            qg = qg_all[b, h]  # (N, G, S, D)
-            pos = positions[b]  # (N, S)
-            kn, vn = k_new[b, h], v_new[b, h]  # (N, S, D)
+            if store.span is not None:  # slices of every sample's heads h0 .. h1 - 1
+                h0, h1 = store.span
+                qg = qg_all[:, h0:h1].flatten(0, 1)  # (N, G, S, D)
+                kn, vn = k_new[:, h0:h1].flatten(0, 1), v_new[:, h0:h1].flatten(0, 1)  # (N, S, D)
+                pos = positions.repeat_interleave(h1 - h0, 0)  # (N, S)
+            else:
+                qg, pos = qg_all[b, h], positions[b]
+                kn, vn = k_new[b, h], v_new[b, h]
             if store.keep is None:
                 store.reserve(longest, self.growth)
                 for i in range(steps):
-                    store.write(pos[:, i], kn[:, i], vn[:, i])
-                if all(n + steps == longest for n in self.lengths):  # every sample as long: known on the host
+                    if first is not None:
+                        store.write_at(first + i, kn[:, i], vn[:, i])
+                    else:
+                        store.write(pos[:, i], kn[:, i], vn[:, i])
+                if first is not None:  # every sample as long
                     seq = SeqInfo.dense(len(b), steps, longest, q.device)
                 else:
                     lengths = self.lengths_t[b]
                     seq = SeqInfo.trusted(lengths, lengths + steps, steps, longest)
-                result = store.mode.attend(
-                    qg, store.keys[:, None, :longest], store.values[:, None, :longest], seq, executor, scale=scale
-                ).out
+                keys, values = store.keys[:, None, :longest], store.values[:, None, :longest]
+                layout = self.runtime.layout_for(store.mode, qg, keys, seq, scale=scale)
+                result = store.mode.attend(qg, keys, values, seq, executor, scale=scale, layout=layout).out
             else:
-                result = self._attend_compact(store, qg, pos, kn, vn, scale, longest)
-            out[b, h] = result.to(out.dtype)
+                result = self._attend_compact(store, qg, pos, kn, vn, scale, longest, first)
+            if store.span is not None:
+                out[:, store.span[0] : store.span[1]] = result.view(batch, -1, *result.shape[1:]).to(out.dtype)
+            else:
+                out[b, h] = result.to(out.dtype)
         self.lengths_t = self.lengths_t + steps
         self.lengths = [n + steps for n in self.lengths]
         return out.reshape(batch, hq, steps, out.shape[-1])
 
     def _attend_compact(
         self, store: _Store, qg: torch.Tensor, pos: torch.Tensor, kn: torch.Tensor, vn: torch.Tensor,
-        scale: float, longest: int,
+        scale: float, longest: int, first: int | None,
     ) -> torch.Tensor:
+        """A compact store's decode attention: a softmax over the slots its mode reads. ``first``: the
+        new tokens' first position when every sample has it (host), else ``None``."""
         keep = store.keep
         assert keep is not None and store.positions is not None
         steps = pos.shape[1]
         if steps == 1:  # write first: the ring slot it overwrites is not readable any more
             store.reserve(longest, self.growth)
-            store.write(pos[:, 0], kn[:, 0], vn[:, 0])
+            if first is not None:
+                store.write_at(first, kn[:, 0], vn[:, 0])
+            else:
+                store.write(pos[:, 0], kn[:, 0], vn[:, 0])
             keys, values, held = store.keys, store.values, store.positions
+            if keep.granularity == 1 and min(self.lengths) + 1 >= keep.capacity:
+                # every sample's sink and ring are full and the ring holds the last `local` positions,
+                # exactly the token window of the new query: every slot is read, no mask
+                return F.scaled_dot_product_attention(
+                    qg.to(keys.dtype), keys[:, None], values[:, None], scale=scale, enable_gqa=True
+                )
         else:  # earlier queries of the chunk may still read what the later tokens overwrite
             keys = torch.cat([store.keys, kn.to(store.keys.dtype)], dim=1)
             values = torch.cat([store.values, vn.to(store.values.dtype)], dim=1)

@@ -85,6 +85,9 @@ class ElasticRuntime:
     #: (mode, SeqInfo.host_signature, window): every layer of a forward gets the same object, so an
     #: executor converts it once (see :meth:`_layouts`)
     layout_cache: dict[tuple, tuple[AttentionMode, object, BlockLayout]] = field(default_factory=dict)
+    #: layer -> (its decision, hard (B, Hq), no head sparse, every head sparse) at inference, while the
+    #: layer's decision is that object (:meth:`_hard_routing`)
+    routing_memo: dict[int, tuple[RouterDecision, torch.Tensor, bool, bool]] = field(default_factory=dict)
 
     # -- entry point (called by the bridge) ---------------------------------------------------
     def attend(
@@ -166,26 +169,38 @@ class ElasticRuntime:
     def _layouts(
         self, modes: list[AttentionMode], can: Canonical, window: int | None, scale: float
     ) -> list[BlockLayout]:
-        out = []
-        signature = can.seq.host_signature()
+        return [self.layout_for(mode, can.q, can.k, can.seq, scale=scale, window=window) for mode in modes]
+
+    def layout_for(
+        self,
+        mode: AttentionMode,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        seq: SeqInfo,
+        *,
+        scale: float,
+        window: int | None = None,
+    ) -> BlockLayout:
+        """``mode``'s layout for q and the keys k over ``seq`` (with the backbone's sliding
+        ``window``, if any). A mode whose layout depends only on ``seq`` builds it once per
+        :meth:`SeqInfo.host_signature` and window: the layers of a forward (and a compact KV cache's
+        full stores) share one object, marked ``reusable``, in :attr:`layout_cache`."""
+        key = None
+        signature = seq.host_signature()
+        if signature is not None and not mode.layout_depends_on_inputs:
+            key = (id(mode), signature, window)
+            hit = self.layout_cache.get(key)
+            if hit is not None and hit[0] is mode and hit[1] is mode.config:
+                return hit[2]
         with torch.no_grad():
-            for mode in modes:
-                key = None
-                if signature is not None and not mode.layout_depends_on_inputs:
-                    key = (id(mode), signature, window)
-                    hit = self.layout_cache.get(key)
-                    if hit is not None and hit[0] is mode and hit[1] is mode.config:
-                        out.append(hit[2])
-                        continue
-                layout = mode.build_layout(can.q, can.k, can.seq, scale=scale)
-                layout = with_window(layout, can.seq, window) if window else layout
-                if key is not None:
-                    layout = replace(layout, reusable=True)
-                    if len(self.layout_cache) >= LAYOUT_CACHE_SIZE:
-                        self.layout_cache.pop(next(iter(self.layout_cache)))
-                    self.layout_cache[key] = (mode, mode.config, layout)
-                out.append(layout)
-        return out
+            layout = mode.build_layout(q, k, seq, scale=scale)
+        layout = with_window(layout, seq, window) if window else layout
+        if key is not None:
+            layout = replace(layout, reusable=True)
+            if len(self.layout_cache) >= LAYOUT_CACHE_SIZE:
+                self.layout_cache.pop(next(iter(self.layout_cache)))
+            self.layout_cache[key] = (mode, mode.config, layout)
+        return layout
 
     def _execute(
         self, layer_idx: int, can: Canonical, decision: RouterDecision | None, scale: float, window: int | None
@@ -203,29 +218,26 @@ class ElasticRuntime:
                 )
             return out
 
-        sparse_q = decision.sparse.repeat_interleave(hq // hkv, dim=1)  # (B, Hq)
-        hard = sparse_q.detach() > 0.5
-        mixing = self.mixing
-        none_sparse = all_sparse = False
-        if not mixing:  # one device read for both questions below (each would be a synchronisation)
-            on_host = hard.cpu()
-            none_sparse, all_sparse = not bool(on_host.any()), bool(on_host.all())
-        if mixing:
+        if self.mixing:
+            sparse_q = decision.sparse.repeat_interleave(hq // hkv, dim=1)  # (B, Hq)
+            hard = sparse_q.detach() > 0.5
             lay_r, lay_s = self._layouts([self.retrieval_mode, self.sparse_mode], can, window, scale)
             out_r = self.retrieval_mode.attend(q, k, v, seq, self.executor, scale=scale, layout=lay_r).out
             out_s = self.sparse_mode.attend(q, k, v, seq, self.executor, scale=scale, layout=lay_s).out
             r = sparse_q.to(out_r.dtype)[:, :, None, None]
             out = r * out_s + (1 - r) * out_r
             pairs = (lay_r, lay_s)
-        elif none_sparse or all_sparse:
-            mode = self.sparse_mode if all_sparse else self.retrieval_mode
-            (layout,) = self._layouts([mode], can, window, scale)
-            out = mode.attend(q, k, v, seq, self.executor, scale=scale, layout=layout).out
-            pairs = (layout, layout)
         else:
-            lay_r, lay_s = self._layouts([self.retrieval_mode, self.sparse_mode], can, window, scale)
-            out = self._one_launch(can, hard, lay_r, lay_s, scale)
-            pairs = (lay_r, lay_s)
+            hard, none_sparse, all_sparse = self._hard_routing(layer_idx, decision, hq // hkv)
+            if none_sparse or all_sparse:
+                mode = self.sparse_mode if all_sparse else self.retrieval_mode
+                (layout,) = self._layouts([mode], can, window, scale)
+                out = mode.attend(q, k, v, seq, self.executor, scale=scale, layout=layout).out
+                pairs = (layout, layout)
+            else:
+                lay_r, lay_s = self._layouts([self.retrieval_mode, self.sparse_mode], can, window, scale)
+                out = self._one_launch(can, hard, lay_r, lay_s, scale)
+                pairs = (lay_r, lay_s)
         if record:
             self.records[layer_idx] = LayerRecord(
                 decision.sparse.detach() > 0.5,
@@ -234,6 +246,20 @@ class ElasticRuntime:
                 seq.causal_pairs(),
             )
         return out
+
+    def _hard_routing(self, layer_idx: int, decision: RouterDecision, group: int) -> tuple[torch.Tensor, bool, bool]:
+        """``(hard (B, Hq) bool, no head sparse, every head sparse)`` of an inference decision: one
+        device read for both questions (each would be a synchronisation), kept per layer while the
+        decision is the same object, so the decode steps that reuse their prefill's decision read
+        nothing from the device."""
+        memo = self.routing_memo.get(layer_idx)
+        if memo is not None and memo[0] is decision:
+            return memo[1], memo[2], memo[3]
+        hard = decision.sparse.detach().repeat_interleave(group, dim=1) > 0.5
+        on_host = hard.cpu()
+        none_sparse, all_sparse = not bool(on_host.any()), bool(on_host.all())
+        self.routing_memo[layer_idx] = (decision, hard, none_sparse, all_sparse)
+        return hard, none_sparse, all_sparse
 
     def _one_launch(
         self, can: Canonical, hard: torch.Tensor, lay_r: BlockLayout, lay_s: BlockLayout, scale: float

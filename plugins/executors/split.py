@@ -66,6 +66,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from elasticfw.attention.executor import Executor, ExecutorConfig
+from elasticfw.attention.inputs import check_layout
 from elasticfw.attention.layout import BlockLayout, expand_heads, select_heads
 from elasticfw.attention.mode import AttentionOutput, routed_layout
 from elasticfw.attention.seq import SeqInfo
@@ -265,16 +266,17 @@ class SplitExecutor(Executor):
         need_lse: bool = True,
     ) -> AttentionOutput:
         lay_r, lay_s = layouts
-        if self.sparse_path(q.device, seq) == "kernel" and (
-            self.config.decode_sparse == "kernel" or _decode_kernel_reason(q, k, v, layouts) is None
-        ):  # a decode step: both layouts' heads in one launch
-            for layout in layouts:
-                self.check_inputs(q, k, v, seq, layout, scale=scale)
-            if hard.shape != (q.shape[0], q.shape[1]):
-                raise UnsupportedInputError(
-                    f"executor 'split': hard must be (batch, query heads) = {tuple(q.shape[:2])}, got {tuple(hard.shape)}"
-                )
-            return self.decode_kernel(q, k, v, seq, layouts, scale=scale, need_lse=need_lse, second_heads=hard)
+        if self.sparse_path(q.device, seq) == "kernel":
+            reason = _decode_kernel_reason(q, k, v, layouts)
+            if reason is None or self.config.decode_sparse == "kernel":  # both layouts' heads in one launch
+                self.check_inputs(q, k, v, seq, lay_r, scale=scale)
+                check_layout(lay_s, q, k, seq, context=f"executor {self.name!r}")
+                if hard.shape != (q.shape[0], q.shape[1]):
+                    raise UnsupportedInputError(
+                        f"executor 'split': hard must be (batch, query heads) = {tuple(q.shape[:2])}, got "
+                        f"{tuple(hard.shape)}"
+                    )
+                return self._decode_kernel(q, k, v, seq, layouts, scale, need_lse, hard, reason)
         dense_heads = self.split_heads(q, k, seq, hard, layouts, need_lse)
         if dense_heads is None:
             return super().attend_routed(q, k, v, seq, hard=hard, layouts=layouts, scale=scale, need_lse=need_lse)
@@ -411,6 +413,21 @@ class SplitExecutor(Executor):
         input it cannot take raises (``decode_sparse: kernel`` named) under a pinned ``kernel``, and
         takes the gathered path under ``auto``."""
         reason = _decode_kernel_reason(q, k, v, layouts)
+        return self._decode_kernel(q, k, v, seq, layouts, scale, need_lse, second_heads, reason)
+
+    def _decode_kernel(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seq: SeqInfo,
+        layouts: tuple[BlockLayout, ...],
+        scale: float,
+        need_lse: bool,
+        second_heads: torch.Tensor | None,
+        reason: str | None,
+    ) -> AttentionOutput:
+        """:meth:`decode_kernel` with :func:`_decode_kernel_reason` of its inputs already computed."""
         if reason is None:
             from elasticfw.kernels.block_sparse_attention import layout_selection
             from elasticfw.kernels.decode_attention import decode_attention
