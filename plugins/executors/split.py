@@ -27,9 +27,11 @@ executor composes kernels instead:
 **Decode steps** (one query per sample at the last position, no key padding, known on the host
 through :meth:`~elasticfw.attention.seq.SeqInfo.host_signature`): dense causal heads are one
 unmasked SDPA call over every key (on CUDA without cuDNN, which re-plans for every new key
-length), and the other layouts take ``decode_sparse`` — ``gathered`` by default, on CUDA too:
-the query row is never padded to a 128-row FlexAttention tile, and only the key blocks it reads
-(a streaming head's sink and window) are gathered.
+length), and the other layouts take ``decode_sparse``: under ``auto`` (the default) the Triton
+decode kernel on CUDA (:mod:`elasticfw.kernels.decode_attention`; a routed layer's step is one
+launch over both layouts' heads, without reading the device), elsewhere ``gathered``: the query
+row is never padded to a 128-row FlexAttention tile, and only the key blocks it reads (a
+streaming head's sink and window) are gathered.
 
 Routed layers (:meth:`attend_routed`): when exactly one of the two layouts is dense causal, the
 call is a plain prefill or such a decode step, no log-sum-exp is asked for, every sample of the
