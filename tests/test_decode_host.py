@@ -12,6 +12,7 @@ formula.
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from elasticfw.model.elastic import ElasticModel
 from elasticfw.model.kv_cache import _head_span
 from elasticfw.recipe import validate_recipe_data
 from elasticfw.routing.base import RouterDecision
-from elasticfw.testing.models import tiny_model
+from elasticfw.testing.models import padded_batch, tiny_model
 
 OWN_CODE = (str(Path(elasticfw.__file__).parent), str(Path(elasticfw_plugins.__file__).parent))
 FULL = {"name": "full", "block_size": 16}
@@ -144,6 +145,7 @@ def test_a_dense_seq_counts_its_query_blocks_on_the_host(monkeypatch):
         expected = (kv_len - 1) // bs - (kv_len - q_len) // bs + 1
         assert SeqInfo.dense(batch, q_len, kv_len).num_query_blocks(bs) == expected, (batch, q_len, kv_len, bs)
     monkeypatch.undo()
+    assert SeqInfo.from_lengths(torch.tensor([9, 4]), 1, 9).num_query_blocks(4) == 1  # one query each
     padded = SeqInfo.from_lengths(torch.tensor([9, 4]), 5, 9)  # not dense: read once, from q_start
     assert padded.num_query_blocks(4) == 2  # sample 0: positions 4..8 -> blocks 1..2
 
@@ -164,6 +166,38 @@ def test_decode_steps_read_nothing_from_the_device(router, device_reads):
     assert device_reads.reads == []
     ref = ElasticModel(tiny_model("llama"), section(router, executor={"name": "reference"}))
     assert torch.allclose(got, decode_logits(ref, ids, tokens), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(split_module.triton_unavailable(torch.device("cpu")) is not None,
+                    reason="needs Triton's interpreter")
+def test_a_padded_batch_reads_its_mask_once_per_step(device_reads):
+    """Left-padded prompts: each decode step reads the padding mask from the device once per forward
+    (whether anything is padded, in the mask function; then the contiguity check and the starts, in
+    the first layer only), not in each of the 4 layers; the logits equal the reference executor's."""
+    ids, mask = padded_batch([80, 64], side="left", seed=5)
+    tokens = torch.randint(3, 250, (2, 4), generator=torch.Generator().manual_seed(6))
+
+    def run(elastic, reads=None):
+        step_mask, out = mask, []
+        with torch.no_grad():
+            res = elastic(input_ids=ids, attention_mask=step_mask, use_cache=True)
+            cache = res.past_key_values
+            for i in range(tokens.shape[1]):
+                step_mask = torch.cat([step_mask, torch.ones(2, 1, dtype=step_mask.dtype)], dim=1)
+                before = len(reads.reads) if reads is not None else 0
+                with reads if reads is not None else contextlib.nullcontext():
+                    out.append(elastic(input_ids=tokens[:, i : i + 1], attention_mask=step_mask, cache=cache,
+                                       use_cache=True).logits)
+                if reads is not None:
+                    step = reads.reads[before:]
+                    where = sorted(Path(r.split(" at ")[1].split(":")[0]).name for r in step)
+                    assert where == ["bridge.py", "canonical.py", "canonical.py"], step
+        return torch.cat(out, dim=1)
+
+    fast = ElasticModel(tiny_model("llama"), section(MIXED, executor={"name": "split", "decode_sparse": "kernel"}))
+    got = run(fast, device_reads)
+    ref = ElasticModel(tiny_model("llama"), section(MIXED, executor={"name": "reference"}))
+    assert torch.allclose(got, run(ref), atol=1e-4, rtol=1e-4)
 
 
 def test_a_new_prefill_routes_by_its_own_decision():

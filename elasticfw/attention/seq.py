@@ -148,6 +148,8 @@ class SeqInfo:
         if key not in self._memo and ("dense", 0) in self._memo:  # every q_start is kv_capacity - q_len
             offset = (self.kv_capacity - self.q_len) % block_size
             self._memo[key] = (offset + self.q_len + block_size - 1) // block_size if self.batch else 0
+        if key not in self._memo and self.q_len == 1:  # one query per sample: one block, wherever it sits
+            self._memo[key] = 1 if self.batch else 0
         if key not in self._memo:  # one device read per SeqInfo and block size
             first = self.q_start % block_size
             self._memo[key] = (

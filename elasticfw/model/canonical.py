@@ -27,6 +27,20 @@ class Canonical:
     seq: SeqInfo
     restore: Callable[[torch.Tensor], torch.Tensor]  # (B, H, Sq, D) canonical -> transformers rows
     first_chunk: bool  # the queries start at the sequence's first token (prefill)
+    #: the padding read from ``info.key_mask`` (``None`` without one): pass it to the next
+    #: :func:`canonicalize` of the same forward, whose layers share one ``info``
+    padding: Padding | None = None
+
+
+@dataclass(frozen=True)
+class Padding:
+    """What one :class:`KeyPaddingInfo`'s mask says, read from the device once: each sample's first
+    real key (host), the query roll per sample (host) and the canonical :class:`SeqInfo`."""
+
+    info: KeyPaddingInfo
+    starts: list[int]
+    q_shift: list[int]
+    seq: SeqInfo
 
 
 def _roll_rows(t: torch.Tensor, shifts: list[int]) -> torch.Tensor:
@@ -36,9 +50,38 @@ def _roll_rows(t: torch.Tensor, shifts: list[int]) -> torch.Tensor:
     return torch.stack([row.roll(-s, dims=1) if s else row for row, s in zip(t, shifts)])
 
 
+def read_padding(info: KeyPaddingInfo, batch: int, sq: int, sk: int, device: torch.device) -> Padding:
+    """Check ``info.key_mask`` (one contiguous run of real tokens per sample) and read where each
+    sample's keys and queries start (two device reads)."""
+    assert info.key_mask is not None
+    mask = info.key_mask.to(device)
+    if mask.shape != (batch, sk):
+        raise UnsupportedInputError(f"padding mask of shape {tuple(mask.shape)} does not fit keys ({batch}, {sk})")
+    counts = mask.sum(-1)
+    first = torch.where(counts > 0, mask.to(torch.int8).argmax(-1), torch.zeros_like(counts))
+    idx = torch.arange(sk, device=device)[None, :]
+    contiguous = mask == ((idx >= first[:, None]) & (idx < (first + counts)[:, None]))
+    if not bool(contiguous.all()):
+        raise UnsupportedInputError(
+            "attention_mask must mark one contiguous run of real tokens per sample (left or right padding); "
+            "masks with holes are not supported"
+        )
+    starts = [int(s) for s in first.tolist()]
+    query_index = info.query_index
+    q_shift = [min(max(0, s - query_index), sq) for s in starts]
+    q_start = torch.tensor(
+        [max(query_index + r - s, 0) for r, s in zip(q_shift, starts)], dtype=torch.long, device=device
+    )
+    # counts lie in [0, sk] and q_start was computed on the host from the checked mask
+    return Padding(info, starts, q_shift, SeqInfo.trusted(q_start, counts.to(torch.long), sq, sk))
+
+
 def canonicalize(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: KeyPaddingInfo | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: KeyPaddingInfo | None, padding: Padding | None = None
 ) -> Canonical:
+    """``q``, ``k``, ``v`` in canonical coordinates. ``padding``: an earlier call's
+    :attr:`Canonical.padding`, reused when it was read from this same ``info`` object (the layers of
+    one forward share it), so that only the first layer reads the mask from the device."""
     batch, _, sq, _ = q.shape
     sk = k.shape[2]
     query_index = info.query_index if info is not None else sk - sq
@@ -58,29 +101,18 @@ def canonicalize(
         )
         return Canonical(q, k, v, seq, lambda out: out, query_index == 0)
 
-    mask = info.key_mask.to(device)
-    if mask.shape != (batch, sk):
-        raise UnsupportedInputError(f"padding mask of shape {tuple(mask.shape)} does not fit keys ({batch}, {sk})")
-    counts = mask.sum(-1)
-    first = torch.where(counts > 0, mask.to(torch.int8).argmax(-1), torch.zeros_like(counts))
-    idx = torch.arange(sk, device=device)[None, :]
-    contiguous = mask == ((idx >= first[:, None]) & (idx < (first + counts)[:, None]))
-    if not bool(contiguous.all()):
-        raise UnsupportedInputError(
-            "attention_mask must mark one contiguous run of real tokens per sample (left or right padding); "
-            "masks with holes are not supported"
-        )
-    starts = [int(s) for s in first.tolist()]
-    q_shift = [min(max(0, s - query_index), sq) for s in starts]
-    k_c, v_c = _roll_rows(k, starts), _roll_rows(v, starts)
+    if (
+        padding is None
+        or padding.info is not info
+        or padding.seq.device != device
+        or (padding.seq.batch, padding.seq.q_len, padding.seq.kv_capacity) != (batch, sq, sk)
+    ):
+        padding = read_padding(info, batch, sq, sk, device)
+    q_shift = padding.q_shift
+    k_c, v_c = _roll_rows(k, padding.starts), _roll_rows(v, padding.starts)
     q_c = _roll_rows(q, q_shift)
-    q_start = torch.tensor(
-        [max(query_index + r - s, 0) for r, s in zip(q_shift, starts)], dtype=torch.long, device=device
-    )
-    # counts lie in [0, sk] and q_start was computed on the host from the checked mask
-    seq = SeqInfo.trusted(q_start, counts.to(torch.long), sq, sk)
 
     def restore(out: torch.Tensor) -> torch.Tensor:
         return _roll_rows(out, [-s for s in q_shift]) if any(q_shift) else out
 
-    return Canonical(q_c, k_c, v_c, seq, restore, query_index == 0)
+    return Canonical(q_c, k_c, v_c, padding.seq, restore, query_index == 0, padding)

@@ -27,7 +27,7 @@ from elasticfw.attention.mode import AttentionMode, attend_routed
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import ElasticError
 from elasticfw.model.bridge import KeyPaddingInfo
-from elasticfw.model.canonical import Canonical, canonicalize
+from elasticfw.model.canonical import Canonical, Padding, canonicalize
 from elasticfw.routing.base import Router, RouterDecision
 
 if TYPE_CHECKING:
@@ -85,6 +85,9 @@ class ElasticRuntime:
     #: (mode, SeqInfo.host_signature, window): every layer of a forward gets the same object, so an
     #: executor converts it once (see :meth:`_layouts`)
     layout_cache: dict[tuple, tuple[AttentionMode, object, BlockLayout]] = field(default_factory=dict)
+    #: the last forward's padding read (:func:`~elasticfw.model.canonical.canonicalize`): the layers of
+    #: a forward share its mask information, so only the first reads the mask from the device
+    padding_memo: Padding | None = None
     #: layer -> (its decision, hard (B, Hq), no head sparse, every head sparse) at inference, while the
     #: layer's decision is that object (:meth:`_hard_routing`)
     routing_memo: dict[int, tuple[RouterDecision, torch.Tensor, bool, bool]] = field(default_factory=dict)
@@ -114,7 +117,8 @@ class ElasticRuntime:
                     "use elastic.kv_cache=full while observing"
                 )
             return cache_layer.attend(q, info, scale=scale, executor=self.executor)
-        can = canonicalize(q, k, v, info)
+        can = canonicalize(q, k, v, info, self.padding_memo)
+        self.padding_memo = can.padding
         for observer in self.observers:
             observer(layer_idx, can, scale)
         decision = self._decision(layer_idx, can)
