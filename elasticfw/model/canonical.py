@@ -27,20 +27,34 @@ class Canonical:
     seq: SeqInfo
     restore: Callable[[torch.Tensor], torch.Tensor]  # (B, H, Sq, D) canonical -> transformers rows
     first_chunk: bool  # the queries start at the sequence's first token (prefill)
-    #: the padding read from ``info.key_mask`` (``None`` without one): pass it to the next
-    #: :func:`canonicalize` of the same forward, whose layers share one ``info``
+    #: the coordinates this call used (:class:`Padding`): pass them to the next :func:`canonicalize`
+    #: of the same forward, whose layers share one ``info``
     padding: Padding | None = None
 
 
 @dataclass(frozen=True)
 class Padding:
-    """What one :class:`KeyPaddingInfo`'s mask says, read from the device once: each sample's first
-    real key (host), the query roll per sample (host) and the canonical :class:`SeqInfo`."""
+    """The canonical coordinates of one forward's layers: what a :class:`KeyPaddingInfo`'s mask says,
+    read from the device once (each sample's first real key and query roll, on the host), or nothing
+    padded (``info`` None, no roll); and the :class:`SeqInfo` every layer of the forward shares."""
 
-    info: KeyPaddingInfo
+    info: KeyPaddingInfo | None
     starts: list[int]
     q_shift: list[int]
     seq: SeqInfo
+    query_index: int
+
+    def fits(self, info: KeyPaddingInfo | None, query_index: int, batch: int, sq: int, sk: int,
+             device: torch.device) -> bool:
+        """Whether a layer with these arguments has these coordinates: the same mask information
+        object (``None`` for an unpadded layer) and the same shapes, query index and device."""
+        seq = self.seq
+        return (
+            self.info is info
+            and self.query_index == query_index
+            and (seq.batch, seq.q_len, seq.kv_capacity) == (batch, sq, sk)
+            and seq.device == device
+        )
 
 
 def _roll_rows(t: torch.Tensor, shifts: list[int]) -> torch.Tensor:
@@ -73,15 +87,16 @@ def read_padding(info: KeyPaddingInfo, batch: int, sq: int, sk: int, device: tor
         [max(query_index + r - s, 0) for r, s in zip(q_shift, starts)], dtype=torch.long, device=device
     )
     # counts lie in [0, sk] and q_start was computed on the host from the checked mask
-    return Padding(info, starts, q_shift, SeqInfo.trusted(q_start, counts.to(torch.long), sq, sk))
+    return Padding(info, starts, q_shift, SeqInfo.trusted(q_start, counts.to(torch.long), sq, sk), query_index)
 
 
 def canonicalize(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: KeyPaddingInfo | None, padding: Padding | None = None
 ) -> Canonical:
     """``q``, ``k``, ``v`` in canonical coordinates. ``padding``: an earlier call's
-    :attr:`Canonical.padding`, reused when it was read from this same ``info`` object (the layers of
-    one forward share it), so that only the first layer reads the mask from the device."""
+    :attr:`Canonical.padding`, reused when it fits this call (:meth:`Padding.fits`: the layers of one
+    forward share their mask information), so that only a forward's first layer reads the mask from
+    the device or builds the :class:`SeqInfo`."""
     batch, _, sq, _ = q.shape
     sk = k.shape[2]
     query_index = info.query_index if info is not None else sk - sq
@@ -90,24 +105,23 @@ def canonicalize(
             f"queries at key index {query_index}..{query_index + sq} do not fit {sk} keys"
         )
     device = q.device
-    if info is None or info.key_mask is None:
-        # valid by construction from the host integers checked above: no device read per layer
-        seq = SeqInfo.dense(batch, sq, sk, device) if query_index == sk - sq else SeqInfo.trusted(
-            torch.full((batch,), query_index, dtype=torch.long, device=device),
-            torch.full((batch,), sk, dtype=torch.long, device=device),
-            sq,
-            sk,
-            keys_unpadded=True,
-        )
-        return Canonical(q, k, v, seq, lambda out: out, query_index == 0)
-
-    if (
-        padding is None
-        or padding.info is not info
-        or padding.seq.device != device
-        or (padding.seq.batch, padding.seq.q_len, padding.seq.kv_capacity) != (batch, sq, sk)
-    ):
-        padding = read_padding(info, batch, sq, sk, device)
+    if info is not None and info.key_mask is None:
+        info = None  # nothing padded: the coordinates depend on the shapes and the query index alone
+    if padding is None or not padding.fits(info, query_index, batch, sq, sk, device):
+        if info is None:
+            # valid by construction from the host integers checked above: no device read
+            seq = SeqInfo.dense(batch, sq, sk, device) if query_index == sk - sq else SeqInfo.trusted(
+                torch.full((batch,), query_index, dtype=torch.long, device=device),
+                torch.full((batch,), sk, dtype=torch.long, device=device),
+                sq,
+                sk,
+                keys_unpadded=True,
+            )
+            padding = Padding(None, [], [], seq, query_index)
+        else:
+            padding = read_padding(info, batch, sq, sk, device)
+    if info is None:
+        return Canonical(q, k, v, padding.seq, lambda out: out, query_index == 0, padding)
     q_shift = padding.q_shift
     k_c, v_c = _roll_rows(k, padding.starts), _roll_rows(v, padding.starts)
     q_c = _roll_rows(q, q_shift)

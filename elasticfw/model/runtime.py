@@ -85,8 +85,9 @@ class ElasticRuntime:
     #: (mode, SeqInfo.host_signature, window): every layer of a forward gets the same object, so an
     #: executor converts it once (see :meth:`_layouts`)
     layout_cache: dict[tuple, tuple[AttentionMode, object, BlockLayout]] = field(default_factory=dict)
-    #: the last forward's padding read (:func:`~elasticfw.model.canonical.canonicalize`): the layers of
-    #: a forward share its mask information, so only the first reads the mask from the device
+    #: the last layer's canonical coordinates (:func:`~elasticfw.model.canonical.canonicalize`): the
+    #: layers of a forward share its mask information, so only the first reads the mask from the device
+    #: and builds the SeqInfo
     padding_memo: Padding | None = None
     #: layer -> (its decision, hard (B, Hq), no head sparse, every head sparse) at inference, while the
     #: layer's decision is that object (:meth:`_hard_routing`)
