@@ -387,12 +387,18 @@ class ElasticKVLayer(DynamicLayer):
             else:
                 store.write(pos[:, 0], kn[:, 0], vn[:, 0])
             keys, values, held = store.keys, store.values, store.positions
-            if keep.granularity == 1 and min(self.lengths) + 1 >= keep.capacity:
-                # every sample's sink and ring are full and the ring holds the last `local` positions,
-                # exactly the token window of the new query: every slot is read, no mask
-                return F.scaled_dot_product_attention(
-                    qg.to(keys.dtype), keys[:, None], values[:, None], scale=scale, enable_gqa=True
-                )
+            mask = None
+            if keep.granularity > 1 or min(self.lengths) + 1 < keep.capacity:
+                mask = keep.visible(held[:, None, None, :], pos[:, None, :, None])  # (N, 1, 1, slots)
+            # else every sample's sink and ring are full and the ring holds the last `local` positions,
+            # exactly the token window of the new query: every slot is read, no mask.
+            # The group's query heads read the same keys and slots: one KV head, the heads as its rows
+            # (no GQA broadcast, so SDPA keeps a fused kernel with a mask too)
+            n, group = qg.shape[0], qg.shape[1]
+            out = F.scaled_dot_product_attention(
+                qg.to(keys.dtype).reshape(n, 1, group, -1), keys[:, None], values[:, None], attn_mask=mask, scale=scale
+            )
+            return out.reshape(n, group, 1, -1)
         else:  # earlier queries of the chunk may still read what the later tokens overwrite
             keys = torch.cat([store.keys, kn.to(store.keys.dtype)], dim=1)
             values = torch.cat([store.values, vn.to(store.values.dtype)], dim=1)
@@ -402,10 +408,9 @@ class ElasticKVLayer(DynamicLayer):
         result = F.scaled_dot_product_attention(
             qg.to(dtype), keys[:, None], values[:, None], attn_mask=mask, scale=scale, enable_gqa=True
         )
-        if steps > 1:
-            store.reserve(longest, self.growth)
-            for i in range(steps):
-                store.write(pos[:, i], kn[:, i], vn[:, i])
+        store.reserve(longest, self.growth)
+        for i in range(steps):
+            store.write(pos[:, i], kn[:, i], vn[:, i])
         return result
 
     def _check_new_tokens(self, info: KeyPaddingInfo | None, steps: int) -> None:
