@@ -31,6 +31,8 @@ than float16 / bfloat16 / float32, a head dim above 256, a group size not a mult
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -70,12 +72,19 @@ def _chunk(selections: tuple[RowSelection, ...]) -> int:
     return n
 
 
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``index`` (asked once: the query costs about 50 us of
+    host time, a decode step's budget for a whole layer)."""
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
 def num_splits(device: torch.device, programs_per_split: int, chunks: int) -> int:
     """Key ranges per (sample, KV head): about two programs per streaming multiprocessor on a GPU
     (four ranges under the interpreter), at least enough that no range exceeds
     :data:`MAX_CHUNKS_PER_SPLIT` chunks, and never more ranges than chunks."""
     if device.type == "cuda":
-        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        target = 2 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
     else:
         target = 4 * programs_per_split
     splits = max(triton.cdiv(target, max(programs_per_split, 1)), triton.cdiv(chunks, MAX_CHUNKS_PER_SPLIT))
@@ -200,12 +209,20 @@ def _table(selection: RowSelection, batch: int, hq: int, caller: str) -> torch.T
     return sel.expand(batch, *sel.shape[1:]) if sel.shape[0] != batch else sel
 
 
+@functools.lru_cache(maxsize=64)
+def _constant_heads(value: int, hq: int, device: torch.device) -> torch.Tensor:
+    """A (1, hq) uint8 row of ``value``, made once per device (never written: kernels only read it)."""
+    return torch.full((1, hq), value, dtype=torch.uint8, device=device)
+
+
 def _heads(mask: torch.Tensor | None, batch: int, hq: int, name: str, device: torch.device, default: bool) -> torch.Tensor:
     if mask is None:
-        return torch.full((1, hq), int(default), dtype=torch.uint8, device=device).expand(batch, hq)
+        return _constant_heads(int(default), hq, device).expand(batch, hq)
     if mask.dim() != 2 or mask.shape[0] not in (1, batch) or mask.shape[1] != hq:
         raise ValueError(f"decode_attention: {name} must be (1 or {batch}, {hq}), got {tuple(mask.shape)}")
-    return mask.to(torch.uint8).expand(batch, hq)
+    # a bool mask is read as bytes in place (no conversion kernel per call)
+    flags = mask.view(torch.uint8) if mask.dtype == torch.bool else mask.to(torch.uint8)
+    return flags.expand(batch, hq)
 
 
 def decode_attention(
