@@ -13,6 +13,7 @@ formula.
 from __future__ import annotations
 
 import contextlib
+import json
 import traceback
 from pathlib import Path
 
@@ -260,3 +261,29 @@ def test_compact_decode_reads_nothing_from_the_device(device_reads):
     compact = ElasticModel(tiny_model("llama"), section(MIXED, kv_cache="compact"))
     decode_logits(compact, ids, tokens, cache=compact.make_kv_cache(), reads=device_reads)
     assert device_reads.reads == []
+
+
+# -- the timing tool --------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(split_module.triton_unavailable(torch.device("cpu")) is not None,
+                    reason="needs Triton's interpreter")
+def test_decode_host_timing_tool_writes_its_figures(tmp_path):
+    """``tools/decode_host_timing.py`` (run on a GPU by a session) runs every piece and writes one
+    row of host and host+GPU microseconds per piece with the environment; bad sizes are refused."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "decode_host_timing.py"
+    spec = importlib.util.spec_from_file_location("decode_host_timing", path)
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "host.json"
+    assert tool.main(["--device", "cpu", "--tokens", "64", "--calls", "1", "--warmup", "0", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["us"]) == {"dense sdpa", "decode_attention", "split attend_routed", "torch.empty x5"}
+    for row in report["us"].values():
+        assert 0 < row["host_us"] <= row["with_gpu_us"]
+    assert report["environment"]["device"] == "cpu" and report["tokens"] == 64
+    with pytest.raises(SystemExit):
+        tool.main(["--device", "cpu", "--calls", "0"])

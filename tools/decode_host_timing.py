@@ -1,0 +1,140 @@
+"""Host time of one routed layer's decode attention, piece by piece (a decode step is host-bound).
+
+    python tools/decode_host_timing.py --json results/bench/decode_host.json        # on a GPU, 32K
+    python tools/decode_host_timing.py --cprofile 200                               # and where it goes
+
+At the Llama-3.1-8B attention shape (Hq 32 / Hkv 8, d 128, bf16, one query row over ``--tokens``
+keys, FA-SSA with sink 128 / window 2,048 at MSR 0.875: the first KV head full), each piece runs
+``--calls`` times back to back without synchronising, after a warm-up: ``host_us`` is the wall time
+per call until the last one is enqueued, ``with_gpu_us`` until the GPU has finished too. When
+``host_us`` is above the GPU time a decode step of such layers is bound by the host:
+
+* ``dense sdpa`` — one dense decode SDPA call over every key (GQA), what a layer of the dense
+  model dispatches;
+* ``decode_attention`` — the Triton decode kernel of both modes' heads
+  (:func:`elasticfw.kernels.decode_attention.decode_attention`, its two launches and their host code);
+* ``split attend_routed`` — the split executor's whole routed call (its checks, then the kernel);
+* ``torch.empty x5`` — five small allocations, a yardstick of the host's speed.
+
+``--cprofile N`` also profiles ``N`` calls of ``decode_attention`` with cProfile (top functions by
+own time). On a CPU without a GPU the kernels run under ``TRITON_INTERPRET=1`` (slow: for a smoke
+run only, ``--tokens 256 --calls 2``). ``--json FILE`` writes the figures with the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from elasticfw.atomic import atomic_write_text
+from elasticfw.attention.seq import SeqInfo
+from elasticfw.kernels.block_sparse_attention import layout_selection
+from elasticfw.provenance import environment
+from elasticfw.registry import get_registry
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+
+
+def _timed(fn: Callable[[], object], calls: int, warmup: int, device: torch.device) -> dict[str, float]:
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(warmup):
+        fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - start
+    sync()
+    total = time.perf_counter() - start
+    return {"host_us": 1e6 * host / calls, "with_gpu_us": 1e6 * total / calls}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    from elasticfw.kernels import decode_attention as decode_module
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q = torch.randn(1, HEADS, 1, HEAD_DIM, generator=g).to(device, dtype)
+    k = torch.randn(1, KV_HEADS, args.tokens, HEAD_DIM, generator=g).to(device, dtype)
+    v = torch.randn(1, KV_HEADS, args.tokens, HEAD_DIM, generator=g).to(device, dtype)
+    seq = SeqInfo.dense(1, 1, args.tokens, device)
+    registry = get_registry()
+
+    def mode(name: str, **cfg: Any) -> Any:
+        return registry.make("sparse_mode", registry.entry("sparse_mode", name).config_class(**cfg))
+
+    lay_r = mode("full", block_size=64).build_layout(q, k, seq)
+    lay_s = mode("streaming", sink_tokens=128, local_tokens=2048, block_size=64).build_layout(q, k, seq)
+    hard = torch.zeros(1, HEADS, dtype=torch.bool, device=device)
+    hard[:, HEADS // KV_HEADS :] = True  # MSR 0.875: the first KV head's query heads full
+    sel_r, sel_s = layout_selection(lay_r), layout_selection(lay_s)
+    assert sel_r is not None and sel_s is not None
+    split = registry.make("executor", registry.entry("executor", "split").config_class(decode_sparse="kernel"))
+    scale = HEAD_DIM**-0.5
+
+    def kernel() -> object:
+        return decode_module.decode_attention(q, k, v, sel_r, seq, scale=scale, second=sel_s, second_heads=hard)
+
+    pieces: dict[str, Callable[[], object]] = {
+        "dense sdpa": lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True),
+        "decode_attention": kernel,
+        "split attend_routed": lambda: split.attend_routed(
+            q, k, v, seq, hard=hard, layouts=(lay_r, lay_s), scale=scale, need_lse=False
+        ),
+        "torch.empty x5": lambda: [torch.empty(8, 128, device=device) for _ in range(5)],
+    }
+    report: dict[str, Any] = {
+        "benchmark": "decode_host_timing", "environment": environment(device), "tokens": args.tokens,
+        "calls": args.calls, "us": {},
+    }
+    for name, fn in pieces.items():
+        report["us"][name] = _timed(fn, args.calls, args.warmup, device)
+        row = report["us"][name]
+        print(f"{name:24s} host {row['host_us']:9.1f} us   with the GPU {row['with_gpu_us']:9.1f} us", flush=True)
+    if args.cprofile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.cprofile):
+            kernel()
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(20)
+        report["cprofile"] = text.getvalue()
+        print(report["cprofile"])
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tokens", type=int, default=32768, help="keys in the cache (default 32768)")
+    p.add_argument("--calls", type=int, default=300, help="timed calls per piece")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--cprofile", type=int, default=0, metavar="N", help="also cProfile N decode_attention calls")
+    p.add_argument("--json", type=Path, default=None, help="write the figures with the environment")
+    args = p.parse_args(argv)
+    if args.tokens < 1 or args.calls < 1 or args.warmup < 0:
+        p.error("--tokens and --calls must be >= 1, --warmup >= 0")
+    report = run(args)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(args.json, json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
