@@ -31,3 +31,5 @@ def test_bench_smoke(tmp_path):
     assert rows["compact_cache", 1.0]["cache_bytes_after_prefill"] == 2 * 2 * kept * (2 * 16 * 4 + 4)
     assert abs(rows["compact_cache", 1.0]["expected_kv_ratio"] - kept / 100) < 1e-9
     assert all(r["decode_step_ms_median"] > 0 for r in data["rows"])
+    for r in data["rows"]:  # each row's step over the dense row's of its context
+        assert r["step_over_dense"] == r["decode_step_ms_median"] / rows["dense", 0.0]["decode_step_ms_median"]

@@ -27,7 +27,9 @@ the runtime's executor is swapped between the two (both compute the same pairs).
 the cache's bytes after the prefill and after the decode (every key, value and slot-position
 tensor it holds), the peak of ``torch.cuda.max_memory_allocated`` during the prefill and during
 the decode above what was allocated before (the weights), the prefill time, and the median decode
-step time over ``--steps`` steps after ``--warmup``. ``kv_ratio`` is the cache's bytes after the
+step time over ``--steps`` steps after ``--warmup`` (``step_over_dense``: over the same context's dense
+step of this run; a decode step's time is the host's, which drifts between runs and machines, so
+compare ratios within one run). ``kv_ratio`` is the cache's bytes after the
 prefill over the dense cache's (the compact cache's include each full store's growth reserve,
 256 tokens, and an int32 position per compact slot); ``expected_kv_ratio`` is
 ``(1 - msr) + msr * (sink + local) / context``; ``kept_tokens_ratio`` is the compact cache's kept
@@ -277,6 +279,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     )
                 row.update(context=context, variant=name, msr=msr if kind else 0.0, dense_cache_bytes=dense_bytes)
                 row["kv_ratio"] = row["cache_bytes_after_prefill"] / dense_bytes
+                dense_step = next((r["decode_step_ms_median"] for r in [*result["rows"], row]
+                                   if r["variant"] == "dense" and r["context"] == context), None)
+                if dense_step is not None:  # the same run's dense step: a decode step's time is the host's
+                    row["step_over_dense"] = row["decode_step_ms_median"] / dense_step
                 if kind == "compact_cache":
                     row["expected_kv_ratio"] = (1 - msr) + msr * (args.sink + args.local) / context
                     seen = context + args.warmup + args.steps  # tokens in the cache after the decode
@@ -339,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{row['context']:>7} {row['variant']:<14} msr={row['msr']:<6} kv={row['cache_bytes_after_prefill'] / 2**20:9.1f} MiB "
             f"ratio={row['kv_ratio']:.4f} (expected {row.get('expected_kv_ratio', float('nan')):.4f}) "
-            f"step={row['decode_step_ms_median']:.2f} ms"
+            f"step={row['decode_step_ms_median']:.2f} ms ({row.get('step_over_dense', float('nan')):.2f}x dense)"
         )
     for failure in result["failures"]:
         print(f"FAILED {failure['variant']}: {failure['error']}", file=sys.stderr)
