@@ -278,7 +278,8 @@ class SplitExecutor(Executor):
                         f"executor 'split': hard must be (batch, query heads) = {tuple(q.shape[:2])}, got "
                         f"{tuple(hard.shape)}"
                     )
-                return self._decode_kernel(q, k, v, seq, layouts, scale, need_lse, hard, reason)
+                return self.decode_kernel(q, k, v, seq, layouts, scale=scale, need_lse=need_lse, reason=reason,
+                                          second_heads=hard)
         dense_heads = self.split_heads(q, k, seq, hard, layouts, need_lse)
         if dense_heads is None:
             return super().attend_routed(q, k, v, seq, hard=hard, layouts=layouts, scale=scale, need_lse=need_lse)
@@ -395,7 +396,8 @@ class SplitExecutor(Executor):
         if path == "flex":
             return self.flex_executor().attend(q, k, v, layout, seq, scale=scale, need_lse=need_lse)
         if path == "kernel":
-            return self.decode_kernel(q, k, v, seq, (layout,), scale=scale, need_lse=need_lse)
+            reason = _decode_kernel_reason(q, k, v, (layout,))
+            return self.decode_kernel(q, k, v, seq, (layout,), scale=scale, need_lse=need_lse, reason=reason)
         return self.gathered(q, k, v, layout, seq, scale=scale, need_lse=need_lse)
 
     def decode_kernel(
@@ -408,28 +410,14 @@ class SplitExecutor(Executor):
         *,
         scale: float,
         need_lse: bool,
+        reason: str | None,
         second_heads: torch.Tensor | None = None,
     ) -> AttentionOutput:
         """A decode step through the Triton decode kernel (:mod:`elasticfw.kernels.decode_attention`):
-        one layout, or two with ``second_heads`` (B, Hq) the heads reading the second. A layout or
-        input it cannot take raises (``decode_sparse: kernel`` named) under a pinned ``kernel``, and
-        takes the gathered path under ``auto``."""
-        reason = _decode_kernel_reason(q, k, v, layouts)
-        return self._decode_kernel(q, k, v, seq, layouts, scale, need_lse, second_heads, reason)
-
-    def _decode_kernel(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        seq: SeqInfo,
-        layouts: tuple[BlockLayout, ...],
-        scale: float,
-        need_lse: bool,
-        second_heads: torch.Tensor | None,
-        reason: str | None,
-    ) -> AttentionOutput:
-        """:meth:`decode_kernel` with :func:`_decode_kernel_reason` of its inputs already computed."""
+        one layout, or two with ``second_heads`` (B, Hq) the heads reading the second. ``reason``:
+        :func:`_decode_kernel_reason` of these inputs (``None``: the kernel takes them), computed by
+        the caller, which decided on it. An input the kernel cannot take raises (``decode_sparse:
+        kernel`` named) under a pinned ``kernel``, and takes the gathered path under ``auto``."""
         if reason is None:
             from elasticfw.kernels.block_sparse_attention import layout_selection
             from elasticfw.kernels.decode_attention import decode_attention
