@@ -472,3 +472,52 @@ def test_sparse_kernel_tiles_are_validated_and_reach_the_kernel(monkeypatch):
         FlexExecutor(FlexConfig(sparse_kernel="triton", sparse_kernel_tiles=[32, 16, 4, 2])).attend(
             q, k, v, layout, seq, scale=0.25)
     assert seen == [bsa.Tiles(block_m=32, block_n=16, num_warps=4, num_stages=2)]
+
+
+def test_default_tiles_follow_the_key_chunk():
+    """Groups read in 64-key chunks (64, 192, ...) take 64-row tiles; groups of 128 keys or more of
+    them, and groups below 64, keep the 128 x 128 defaults."""
+    from elasticfw.kernels.block_sparse_attention import DEFAULT_TILES, SMALL_TILES, default_tiles
+
+    table = torch.zeros(1, 1, 1, 1, dtype=torch.bool)
+    expected = {64: SMALL_TILES, 192: SMALL_TILES, 128: DEFAULT_TILES, 1024: DEFAULT_TILES, 32: DEFAULT_TILES,
+                16: DEFAULT_TILES}
+    for group, tiles in expected.items():
+        assert default_tiles(RowSelection(table, group, row_block=group)) == tiles, group
+    assert (SMALL_TILES.block_m, SMALL_TILES.block_n) == (64, 64)
+
+
+def test_64_token_layouts_run_64_row_tiles_and_match_the_definition(monkeypatch):
+    """Without ``tiles`` a 64-token block layout runs 64-row tiles (one layout row per tile: its
+    work lists hold only what that row selects), and the result meets the float64 definition; through
+    the flex executor with no ``sparse_kernel_tiles`` the kernel receives the same configuration."""
+    import elasticfw.kernels.block_sparse_attention as bsa
+    from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
+
+    seq = _seq([0, 0], [256, 190], 256, 256)
+    q, k, v, layout = _block_inputs(seq, 4, 2, 2, 16, torch.float32, 64, 0.5, seed=3)
+    plans = []
+    real_plan = bsa.plan_work
+    monkeypatch.setattr(bsa, "plan_work", lambda *a, **kw: plans.append(real_plan(*a, **kw)) or plans[-1])
+    out, lse = bsa.block_layout_attention(q, k, v, layout, seq, scale=0.25)
+    assert [(p.block_m, p.block_n) for p in plans] == [(64, 64)]
+    # one tile per layout row: a tile's clean list is exactly its row's selected blocks before its
+    # own (a 128-row tile over two rows counts only the blocks both select as clean)
+    n_clean = plans[0].clean_count
+    selected = layout.blocks.expand(2, -1, -1, -1)
+    below = torch.tril(selected, diagonal=-1).sum(-1)  # selected blocks strictly before the row's own
+    for b, kv_len in enumerate((256, 190)):
+        rows = -(-kv_len // 64)
+        assert torch.equal(n_clean[b, :, :rows], below[b, :, :rows].int()), b
+    ref_out, ref_lse = _brute(q, k, v, layout.blocks, 64, seq, 0.25, row_block=64)
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-5, atol=1e-4)
+
+    seen = []
+    real = bsa.block_layout_attention
+    monkeypatch.setattr(bsa, "block_layout_attention", lambda *a, **kw: seen.append(kw["tiles"]) or real(*a, **kw))
+    with torch.no_grad():
+        got = FlexExecutor(FlexConfig(sparse_kernel="triton")).attend(q, k, v, layout, seq, scale=0.25)
+    assert seen == [bsa.SMALL_TILES]
+    torch.testing.assert_close(got.out.double(), ref_out, rtol=1e-5, atol=1e-5)

@@ -59,6 +59,7 @@ __all__ = [
     "WorkPlan",
     "block_layout_attention",
     "check_inputs",
+    "default_tiles",
     "kv_descriptor",
     "kv_descriptors",
     "load_rows",
@@ -96,9 +97,25 @@ class Tiles:
 #: the defaults, the fastest measured on an H200 (bf16, head dim 128, 128-token blocks at 128K, full
 #: density; without TMA: 128 x 128 x 8 warps x 3 stages 334 ms, 128 x 64 391 ms, 64 x 64 390 ms, 128 x 64
 #: x 4 warps 489 ms, results/bench/issue10-s5/density.json; with TMA: 301 ms, 128 x 64 361 ms, 128 x 64 x 4
-#: warps x 4 stages 380 ms, results/bench/issue10-s6/variants/kernel_options.json). Layouts of 64-token
-#: blocks run 64-key chunks.
+#: warps x 4 stages 380 ms, results/bench/issue10-s6/variants/kernel_options.json). Groups of 64 keys
+#: (64-token block layouts) take :data:`SMALL_TILES` instead (:func:`default_tiles`).
 DEFAULT_TILES = Tiles()
+#: the configuration for 64-key chunks (key groups of 64: the paper's 64-token block layouts): 64-row
+#: tiles, so that a tile covers one layout row and visits only what that row selects, not the union of
+#: two rows. On an H200 at 128K (structured inputs, results/bench/issue10-s9/variants/tiles64.json) the
+#: XAttention, NSA and streaming layouts of 64-token blocks took 69.3 / 42.1 / 12.5 ms with 64 x 64 x
+#: 4 warps x 2 stages against 85.4 / 52.1 / 14.5 with the defaults (128-row tiles over 64-key chunks;
+#: 3 stages 70.4 / 42.4 / 12.6, 8 warps 138.1 / 90.7 / 26.7).
+SMALL_TILES = Tiles(block_m=64, block_n=64, num_warps=4, num_stages=2)
+
+
+def default_tiles(selection: RowSelection) -> Tiles:
+    """The launch configuration a call without ``tiles`` uses for ``selection``: :data:`SMALL_TILES`
+    where its key groups are read in 64-key chunks (groups of 64, 192, ...: a multiple of 64 but not
+    of 128), :data:`DEFAULT_TILES` otherwise."""
+    if _chunk_size(selection.group_size, DEFAULT_TILES.block_n) == SMALL_TILES.block_n:
+        return SMALL_TILES
+    return DEFAULT_TILES
 
 
 def unsupported(q: torch.Tensor) -> str | None:
@@ -207,9 +224,11 @@ class WorkPlan:
     block_n: int
 
 
-def plan_work(selection: RowSelection, seq: SeqInfo, tiles: Tiles = DEFAULT_TILES) -> WorkPlan:
-    """:func:`work_lists` for ``tiles`` (raises :class:`~elasticfw.errors.BackendUnavailableError`
-    for a group size the kernel cannot chunk)."""
+def plan_work(selection: RowSelection, seq: SeqInfo, tiles: Tiles | None = None) -> WorkPlan:
+    """:func:`work_lists` for ``tiles`` (``None``: :func:`default_tiles`; raises
+    :class:`~elasticfw.errors.BackendUnavailableError` for a group size the kernel cannot chunk)."""
+    if tiles is None:
+        tiles = default_tiles(selection)
     block_n = _chunk_size(selection.group_size, tiles.block_n)
     if block_n is None:
         raise BackendUnavailableError(
@@ -452,11 +471,13 @@ def _attend(
     seq: SeqInfo,
     scale: float,
     keep_heads: torch.Tensor | None,
-    tiles: Tiles,
+    tiles: Tiles | None,
     plan: WorkPlan | None,
     caller: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     keep = check_inputs(q, k, v, selection, seq, keep_heads, caller)
+    if tiles is None:
+        tiles = default_tiles(selection)
     batch, hq, q_len, dim = q.shape
     hkv = k.shape[1]
     sel = selection.selected
@@ -502,14 +523,15 @@ def row_selection_attention(
     *,
     scale: float,
     keep_heads: torch.Tensor | None = None,
-    tiles: Tiles = DEFAULT_TILES,
+    tiles: Tiles | None = None,
     plan: WorkPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32) of attention under ``selection``
     (module docstring); ``q`` (B, Hq, Sq, D), ``k`` / ``v`` (B, Hkv, Sk, D), any strides.
     ``keep_heads`` (B or 1, Hq) bool: heads outside it compute nothing (zero output, ``-inf``
-    lse), as the flex executor's ``keep_heads``. ``plan``: the work lists from :func:`plan_work`
-    for this selection, ``seq`` and ``tiles`` (built here when ``None``). Raises
+    lse), as the flex executor's ``keep_heads``. ``tiles``: the launch configuration (``None``:
+    :func:`default_tiles`). ``plan``: the work lists from :func:`plan_work` for this selection,
+    ``seq`` and ``tiles`` (built here when ``None``). Raises
     :class:`~elasticfw.errors.BackendUnavailableError` where :func:`unsupported` gives a reason."""
     return _attend(q, k, v, selection, seq, scale, keep_heads, tiles, plan, "row_selection_attention")
 
@@ -523,13 +545,13 @@ def block_layout_attention(
     *,
     scale: float,
     keep_heads: torch.Tensor | None = None,
-    tiles: Tiles = DEFAULT_TILES,
+    tiles: Tiles | None = None,
     plan: WorkPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`row_selection_attention` of ``layout``'s selection (:func:`layout_selection`: its row
     selection, or its blocks when it has no token mask). Raises
     :class:`~elasticfw.errors.BackendUnavailableError` where :func:`unsupported_layout` gives a reason."""
-    reason = unsupported_layout(layout, tiles)
+    reason = unsupported_layout(layout, DEFAULT_TILES if tiles is None else tiles)
     if reason is not None:
         raise BackendUnavailableError(f"Triton block_layout_attention: {reason}")
     selection = layout_selection(layout)

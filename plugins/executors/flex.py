@@ -127,7 +127,9 @@ class FlexConfig(ExecutorConfig):
         None,
         description="The Triton block-sparse kernel's launch configuration [BLOCK_M, BLOCK_N, num_warps, "
         "num_stages] (BLOCK_M, BLOCK_N powers of two >= 16; BLOCK_N is lowered to divide the key group size); "
-        "null: the kernel's defaults (elasticfw.kernels.block_sparse_attention.DEFAULT_TILES).",
+        "null: the kernel's choice per layout (elasticfw.kernels.block_sparse_attention.default_tiles: 64 x 64 x 4 x 2 "
+        "for groups of 64 keys such as 64-token block layouts, else 128 x 128 x 8 x 3; the gathered path 128 x 128 "
+        "x 8 x 3).",
     )
     emulation_query_chunk: int = Field(
         512, ge=1, description="Emulated path: padded query rows processed at once (memory chunk x S)."
@@ -363,9 +365,9 @@ class FlexExecutor(Executor):
         the decode kernel, :mod:`elasticfw.kernels.decode_attention`); a reusable layout's work lists
         are built once per SeqInfo signature and tile shape and kept beside the BlockMasks."""
         from elasticfw.kernels.block_sparse_attention import (
-            DEFAULT_TILES,
             Tiles,
             block_layout_attention,
+            default_tiles,
             layout_selection,
             plan_work,
         )
@@ -378,15 +380,19 @@ class FlexExecutor(Executor):
             if selection is not None and dec.unsupported(q, selection) is None:
                 out, lse = dec.decode_attention(q, k, v, selection, seq, scale=scale, keep_heads=keep_heads)
                 return AttentionOutput(out, lse)
-        tiles = DEFAULT_TILES if cfg.sparse_kernel_tiles is None else Tiles(*cfg.sparse_kernel_tiles)
+        pinned = None if cfg.sparse_kernel_tiles is None else Tiles(*cfg.sparse_kernel_tiles)
         if cfg.row_selection_strategy == "gather" and layout.row_selection is not None:
             from elasticfw.kernels import gather_attention
 
             if gather_attention.unsupported_selection(layout.row_selection) is None:
                 out, lse = gather_attention.gathered_selection_attention(
-                    q, k, v, layout.row_selection, seq, scale=scale, keep_heads=keep_heads, tiles=tiles
+                    q, k, v, layout.row_selection, seq, scale=scale, keep_heads=keep_heads,
+                    tiles=gather_attention.DEFAULT_TILES if pinned is None else pinned,
                 )
                 return AttentionOutput(out, lse)
+        selection = layout_selection(layout)
+        assert selection is not None  # _sparse_kernel checked unsupported_layout
+        tiles = default_tiles(selection) if pinned is None else pinned
         plan = None
         signature = seq.host_signature()
         if layout.reusable and signature is not None:
@@ -396,8 +402,6 @@ class FlexExecutor(Executor):
                 self._masks.move_to_end(key)
                 plan = hit[1]
             else:
-                selection = layout_selection(layout)
-                assert selection is not None  # _sparse_kernel checked unsupported_layout
                 plan = plan_work(selection, seq, tiles)
                 self._masks[key] = (layout, plan)
                 while len(self._masks) > MASK_CACHE_SIZE:
