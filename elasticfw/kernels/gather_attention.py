@@ -11,9 +11,11 @@ chose it):
 * **Entries** (torch, :func:`gather_plan`): every selected (row, group) pair, with its *rank* (the
   group's place among the row's selected groups, ascending), sorted by (rank, sample, table head,
   group, row) and cut into tiles of up to ``BLOCK_M`` rows of one (rank, sample, head, group).
-  Only one-dimensional scans build them (torch's scans along a short last dimension and its
-  ``cummax`` took 24 and 96 ms of a 135 ms plan at 128K on an H200; now 16 ms,
-  ``results/bench/issue10-s6/variants/``).
+  Only one-dimensional scans and one sort of int64 keys that encode the whole entry build them
+  (torch's scans along a short last dimension and its ``cummax`` took 24 and 96 ms of a 135 ms
+  plan at 128K on an H200, ``results/bench/issue10-s6/variants/``; gathering six columns by the
+  sort's permutation and a row-count reduction of the table 7 of the 15.8 ms that followed,
+  ``results/bench/issue10-s9/diag/moba_kernel.txt``).
 * **Passes.** One launch per rank ``r`` (at most the largest number of groups a row selects, the
   MoBA ``top_k``): each program gathers its tile's query rows, attends over its group's keys
   (chunks wholly before the tile's first position unmasked, the rest masked by causality and
@@ -80,37 +82,51 @@ class GatherPlan:
 
 def gather_plan(selection: RowSelection, batch: int, block_m: int) -> GatherPlan:
     """The entries of ``selection`` (its table expanded to ``batch`` samples) in tiles of up to
-    ``block_m`` rows (module docstring). Reads the number of entries and of ranks from the device."""
+    ``block_m`` rows (module docstring). Reads the number of entries and of ranks from the device.
+
+    Every entry is encoded as one int64 sort key ``(((rank * B + b) * H + h) * G + g) * Sq + row``,
+    so that one sort of the keys orders the entries and the sorted keys themselves give each
+    entry's row and segment (no gather of per-entry columns by the sort's permutation)."""
     sel = selection.selected
     if sel.shape[0] != batch:
         sel = sel.expand(batch, *sel.shape[1:])
     _, heads, q_len, groups = sel.shape
     device = sel.device
-    b, h, r, g = sel.nonzero(as_tuple=True)  # row-major: sorted by (b, h, r, g)
-    if b.numel() == 0:
+    flat = sel.reshape(-1).nonzero().squeeze(1)  # ascending: sorted by (b, h, row, g)
+    n = flat.numel()
+    if n == 0:
         empty = torch.zeros(0, dtype=torch.int32, device=device)
         return GatherPlan(empty, empty, empty, empty, empty, empty, [0])
-    n = b.numel()
     index = torch.arange(n, device=device)
+    row_id = flat // groups  # (b * H + h) * Sq + row
+    g = flat - row_id * groups
     # a row's entries are consecutive: the rank is the entry's place after the row's first entry
     # (1-D scans only: torch's scans along a short last dimension, and its cummax, are slow on CUDA)
-    per_row = sel.sum(-1, dtype=torch.int64).flatten()
-    row_first = per_row.cumsum(0) - per_row
-    rk = index - row_first[(b * heads + h) * q_len + r]
-    segment = ((rk * batch + b) * heads + h) * groups + g  # (rank, sample, head, group)
-    order = (segment * q_len + r).argsort()
-    b, h, r, g, rk, segment = (t[order] for t in (b, h, r, g, rk, segment))
+    rank = index - _first_of_runs(row_id, index)
+    bh = row_id // q_len
+    key = ((rank * (batch * heads) + bh) * groups + g) * q_len + (row_id - bh * q_len)
+    key = key.sort().values
+    segment = key // q_len  # (rank, b, h, g)
     new_segment = torch.ones(n, dtype=torch.bool, device=device)
     new_segment[1:] = segment[1:] != segment[:-1]
-    seg_first = index[new_segment][new_segment.cumsum(0) - 1]  # first entry of each entry's segment
-    new_tile = new_segment | ((index - seg_first) % block_m == 0)
-    starts = new_tile.nonzero(as_tuple=True)[0]
+    new_tile = new_segment | ((index - _first_of_runs(segment, index, new_segment)) % block_m == 0)
+    starts = new_tile.nonzero().squeeze(1)
     counts = torch.diff(starts, append=torch.tensor([n], device=device))
-    tile_rank = rk[starts]
+    tile_segment = segment[starts]
+    tile_rank, tile_bh = tile_segment // (batch * heads * groups), tile_segment // groups % (batch * heads)
     ranks = int(tile_rank[-1].item()) + 1
     bounds = torch.searchsorted(tile_rank, torch.arange(ranks + 1, device=device)).tolist()
-    return GatherPlan(_int32(r), _int32(starts), _int32(counts), _int32(b[starts]), _int32(h[starts]),
-                      _int32(g[starts]), [int(x) for x in bounds])
+    return GatherPlan(_int32(key - segment * q_len), _int32(starts), _int32(counts), _int32(tile_bh // heads),
+                      _int32(tile_bh % heads), _int32(tile_segment % groups), [int(x) for x in bounds])
+
+
+def _first_of_runs(values: torch.Tensor, index: torch.Tensor, new_run: torch.Tensor | None = None) -> torch.Tensor:
+    """For each position of ``values`` (runs of equal values), the index of its run's first position
+    (``new_run``: where a run starts, when the caller has it)."""
+    if new_run is None:
+        new_run = torch.ones(values.numel(), dtype=torch.bool, device=values.device)
+        new_run[1:] = values[1:] != values[:-1]
+    return index[new_run][new_run.cumsum(0) - 1]
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
