@@ -412,3 +412,23 @@ def test_gpu_padded_chunked_batch():
     for dtype in (torch.float32, torch.float16):
         got = _triton_mass(q.to(dtype), k.to(dtype), seq, block_size=64, stride=16, chunk_size=1024)
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
+
+
+def test_shared_memory_budget_shrinks_the_estimators_tiles(monkeypatch):
+    """A GPU's per-block shared-memory limit lowers the budget; the estimator's default tiles then
+    shrink to fit it: 128 x 128 x 3 stages of bf16 rows of 128 need (128 + 128) * 128 * 2 * 3 =
+    192 KB, so a 164 KB limit (A100: 140 KB after the reserve) halves the key tile, then the query
+    tile (each step halves the wider one, the key tile on a tie; stages go only at the floor)."""
+    from elasticfw.kernels import xattention_estimate as xe
+
+    budget = kernels_module.shared_memory_budget
+    assert budget(torch.device("cpu"), 200 * 1024) == 200 * 1024  # the interpreter: the cap
+    for optin, expected in ((232448, 200 * 1024), (167936, 167936 - 24 * 1024), (None, 200 * 1024)):
+        monkeypatch.setattr(kernels_module, "_shared_memory_optin", lambda index, optin=optin: optin)
+        assert budget(torch.device("cuda", 0), 200 * 1024) == expected, optin
+    assert xe._tiles(2, 128, 4, None, None, 200 * 1024) == (128, 128, 3)
+    # (128 + 64) * 128 * 2 * 3 = 144 KB > 140 KB, (64 + 64) * 768 = 96 KB fits
+    assert xe._tiles(2, 128, 4, None, None, 167936 - 24 * 1024) == (64, 64, 3)
+    assert xe._tiles(2, 128, 4, None, None, 64 * 1024) == (32, 32, 3)  # (32 + 32) * 768 = 48 KB
+    assert xe._tiles(2, 128, 4, None, None, 20 * 1024) == (16, 16, 2)  # at the floor: (16 + 16) * 512 = 16 KB
+    assert xe._tiles(2, 128, 4, 128, 128, 64 * 1024) == (128, 128, 3)  # explicit tiles are kept

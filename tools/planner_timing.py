@@ -8,7 +8,8 @@ Inputs are the attention benchmark's structured q/k (``elasticfw.bench.inputs.st
 Prints the median of ``--repeats`` CUDA-event-timed calls (after a warm-up call, which compiles
 the kernels) and the ratio to the dense layer for: NSA (paper defaults, ``query_granularity:
 block``) with ``scorer`` torch and triton, the Triton importance alone with ``split`` 1, 2 and 3
-(16-bit terms of the compressed keys) and with ``--nsa-tiles`` overrides; MoBA (paper defaults,
+(16-bit terms of the compressed keys) and with ``--nsa-tiles`` overrides (``BM,BN`` or
+``BM,BN,STAGES``); MoBA (paper defaults,
 ``query_granularity: token``) with ``planner`` torch and triton. Then how far the backends'
 results are apart: NSA importances (max relative difference) and layouts (blocks that differ),
 MoBA layouts. ``--json FILE`` also writes the figures.
@@ -36,7 +37,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_arguments(p)
     p.add_argument("--skip-torch", action="store_true", help="skip the (slow) torch backends")
-    p.add_argument("--nsa-tiles", nargs="*", default=[], metavar="BM,BN", help="NSA importance tile overrides")
+    p.add_argument("--nsa-tiles", nargs="*", default=[], metavar="BM,BN[,STAGES]",
+                   help="NSA importance tile overrides (and pipeline stages; default: the module's)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--profile", action="store_true", help="also print a torch.profiler table of each Triton planner")
     args = p.parse_args()
@@ -60,14 +62,20 @@ def main() -> None:
             results[f"  nsa importance only, split {split}"] = timed(
                 lambda split=split: nsa_block_importance_triton(q, k, seq, split=split, **geo), args.repeats)
             imp[split] = nsa_block_importance_triton(q, k, seq, split=split, **geo)
+        from elasticfw.kernels import nsa_importance as ni
+
         for spec in args.nsa_tiles:
-            bm, bn = (int(x) for x in spec.split(","))
+            bm, bn, *rest = (int(x) for x in spec.split(","))
+            saved = ni.NUM_STAGES
+            ni.NUM_STAGES = rest[0] if rest else saved
             try:
                 results[f"  nsa importance only, tiles {spec}"] = timed(
                     lambda bm=bm, bn=bn: nsa_block_importance_triton(q, k, seq, block_m=bm, block_n=bn, **geo),
                     args.repeats)
             except Exception as exc:  # noqa: BLE001 - a tile configuration that does not compile is reported
                 print(f"nsa tiles {spec}: {type(exc).__name__}: {str(exc)[:200]}")
+            finally:
+                ni.NUM_STAGES = saved
         if not args.skip_torch:
             ref = nsa["torch"].block_importance(q, k, seq)
             for split in (1, 2, 3):

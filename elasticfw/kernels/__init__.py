@@ -21,7 +21,14 @@ import torch
 
 from elasticfw.errors import BackendUnavailableError
 
-__all__ = ["choose_backend", "interpreting", "next_pow2", "triton_unavailable", "unsupported_tensor"]
+__all__ = [
+    "choose_backend",
+    "interpreting",
+    "next_pow2",
+    "shared_memory_budget",
+    "triton_unavailable",
+    "unsupported_tensor",
+]
 
 #: the dtypes every kernel here takes (16-bit products on tensor cores, float32 in IEEE float32)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -30,6 +37,29 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def next_pow2(x: int) -> int:
     """The least power of two at or above ``x`` (1 for ``x <= 1``): kernel tile widths."""
     return 1 << max(0, (x - 1).bit_length())
+
+
+#: shared memory a kernel keeps free for what is not its operand pipeline (reductions, layout
+#: conversions) when :func:`shared_memory_budget` reads a GPU's limit
+SHARED_MEMORY_RESERVE = 24 * 1024
+
+
+@functools.cache
+def _shared_memory_optin(index: int) -> int | None:
+    props = torch.cuda.get_device_properties(index)
+    return getattr(props, "shared_memory_per_block_optin", None)
+
+
+def shared_memory_budget(device: torch.device, cap: int) -> int:
+    """Bytes of shared memory a kernel may plan its operand pipeline (tiles x stages) for on
+    ``device``: ``cap``, lowered on a GPU whose per-block limit (``shared_memory_per_block_optin``,
+    227 KB on Hopper, 163 KB on A100, 99 KB on consumer Ampere/Ada) minus
+    :data:`SHARED_MEMORY_RESERVE` is below it. Elsewhere (the interpreter) ``cap``."""
+    if device.type != "cuda":
+        return cap
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    optin = _shared_memory_optin(index)
+    return cap if optin is None else min(cap, optin - SHARED_MEMORY_RESERVE)
 
 
 def interpreting() -> bool:

@@ -68,7 +68,7 @@ import triton.language as tl
 from elasticfw.attention.patterns import window_means
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
-from elasticfw.kernels import interpreting, next_pow2, unsupported_tensor
+from elasticfw.kernels import interpreting, next_pow2, shared_memory_budget, unsupported_tensor
 
 __all__ = ["nsa_block_importance_triton", "unsupported"]
 
@@ -80,7 +80,8 @@ NUM_WARPS = 8
 NUM_STAGES = 2
 #: terms of the 16-bit split of the float32 compressed keys (module docstring); 1 to 3
 SPLIT = 2
-#: shared memory the resident query tile and the pipelined key tiles may use per program
+#: shared memory the resident query tile and the pipelined key tiles may use per program at most
+#: (lowered to the device's limit by :func:`~elasticfw.kernels.shared_memory_budget`)
 SMEM_BUDGET = 160 * 1024
 #: the largest ``next_pow2(block_size)`` (a program holds whole tiles)
 MAX_BLOCK = 256
@@ -124,17 +125,18 @@ def unsupported(q: torch.Tensor, *, block_size: int, kernel: int, stride: int) -
 
 def _tiles(
     group: int, block_size: int, kernel: int, stride: int, d_pad: int, elsize: int, split: int,
-    block_m: int | None, block_n: int | None,
+    block_m: int | None, block_n: int | None, budget: int = SMEM_BUDGET,
 ) -> tuple[int, int, int, int, int]:
     """(heads per chunk HP, tiles per program RB, rows BLOCK_M, windows BLOCK_N, stages): the
-    defaults shrunk to fit :data:`SMEM_BUDGET`, never below one whole tile or the spill floor."""
+    defaults shrunk to fit ``budget`` bytes of shared memory, never below one whole tile or the
+    spill floor."""
     bs_pad = next_pow2(block_size)
     n_floor = _min_block_n(block_size, kernel, stride)
     rows = max(block_m or BLOCK_M, bs_pad, 16)
     bn = max(block_n or BLOCK_N, n_floor)
     stages = NUM_STAGES
     if block_m is None or block_n is None:
-        while (rows + bn * split * stages) * d_pad * elsize > SMEM_BUDGET:
+        while (rows + bn * split * stages) * d_pad * elsize > budget:
             if block_n is None and bn > n_floor and bn * split * stages >= rows:
                 bn //= 2
             elif block_m is None and rows > max(bs_pad, 16):
@@ -461,7 +463,8 @@ def nsa_block_importance_triton(
     c_terms = _split(c.float(), q.dtype, terms)  # (terms, B, Hkv, M, D)
     d_pad = max(16, next_pow2(dim))
     hp, rb, bm, bn, stages = _tiles(
-        group, bs, kernel, stride, d_pad, q.element_size(), terms, block_m, block_n
+        group, bs, kernel, stride, d_pad, q.element_size(), terms, block_m, block_n,
+        shared_memory_budget(q.device, SMEM_BUDGET),
     )
     head_chunks = triton.cdiv(group, hp)
     row_tiles = triton.cdiv(nqb, rb)

@@ -59,7 +59,7 @@ import triton.language as tl
 
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
-from elasticfw.kernels import interpreting, next_pow2, unsupported_tensor
+from elasticfw.kernels import interpreting, next_pow2, shared_memory_budget, unsupported_tensor
 
 __all__ = [
     "antidiagonal_mass_triton",
@@ -72,15 +72,18 @@ BLOCK_M = 128
 #: strided keys per inner step (a power of two, >= 16)
 BLOCK_N = 128
 NUM_WARPS = 8
-#: 128 x 128 tiles, 8 warps, 2 stages: the fastest of six configurations timed on one H200 at 128K
-#: (bf16, d 128, stride 16: 32.1 ms for both passes, against 35.8 for 128 x 64 / 3 stages and
-#: 38-48 for the others; results/bench/issue10-s3/xa_tiles.log)
-NUM_STAGES = 2
+#: 128 x 128 tiles, 8 warps, 3 stages: the fastest of nine configurations of the single pass timed on
+#: one H200 at 128K (bf16, d 128, stride 16: 14.1 ms against 20.5 with 2 stages, 15.8 for 128 x 256 /
+#: 2 stages, 17.7 for 256 x 128 / 2 stages and 21-26 for the others;
+#: results/bench/issue10-s9/diag/xattention_tiles.txt). 3 stages of 128 x 128 tiles need 192 KB of
+#: shared memory: on a GPU with less (:func:`~elasticfw.kernels.shared_memory_budget`) the tiles shrink.
+NUM_STAGES = 3
 #: 1: :func:`_single_pass_kernel` (scores computed once, per-row block sums kept in a scratch of
 #: ``4 * B * Hq * (C/S) * NKB`` bytes per chunk of ``C`` positions); 2: the two-pass kernels
 PASSES = 1
-#: shared memory the operand pipeline may use per program: tiles shrink (and then stages) to fit
-SMEM_BUDGET = 160 * 1024
+#: shared memory the operand pipeline may use per program at most (lowered to the device's limit by
+#: :func:`~elasticfw.kernels.shared_memory_budget`): tiles shrink (and then stages) to fit
+SMEM_BUDGET = 200 * 1024
 #: the largest ``next_pow2(block_size / stride)`` (a tile holds at least one whole block)
 MAX_GROUP = 128
 #: the largest head dim (padded to a power of two, kept whole in each tile)
@@ -108,15 +111,17 @@ def unsupported(q: torch.Tensor, *, block_size: int, stride: int) -> str | None:
     return None
 
 
-def _tiles(elsize: int, d_pad: int, group_pad: int, block_m: int | None, block_n: int | None) -> tuple[int, int, int]:
-    """(block_m, block_n, stages): the defaults shrunk to fit :data:`SMEM_BUDGET`, never below a
-    whole block (``group_pad``) or the 16 rows ``tl.dot`` needs."""
+def _tiles(
+    elsize: int, d_pad: int, group_pad: int, block_m: int | None, block_n: int | None, budget: int = SMEM_BUDGET
+) -> tuple[int, int, int]:
+    """(block_m, block_n, stages): the defaults shrunk to fit ``budget`` bytes of shared memory,
+    never below a whole block (``group_pad``) or the 16 rows ``tl.dot`` needs."""
     floor = max(16, group_pad)
     bm = max(block_m or BLOCK_M, floor)
     bn = max(block_n or BLOCK_N, floor)
     stages = NUM_STAGES
     if block_m is None or block_n is None:
-        while (bm + bn) * d_pad * elsize * stages > SMEM_BUDGET:
+        while (bm + bn) * d_pad * elsize * stages > budget:
             if block_n is None and bn > floor and bn >= bm:
                 bn //= 2
             elif block_m is None and bm > floor:
@@ -432,7 +437,8 @@ def iter_antidiagonal_mass_triton(
     nqb, nkb = seq.num_query_blocks(bs), seq.num_key_blocks(bs)
     if nqb == 0:
         return
-    bm, bn, stages = _tiles(q.element_size(), d_pad, group_pad, block_m, block_n)
+    budget = shared_memory_budget(q.device, SMEM_BUDGET)
+    bm, bn, stages = _tiles(q.element_size(), d_pad, group_pad, block_m, block_n, budget)
     rows_per_tile = bm // group_pad
     keys_per_tile = bn // group_pad
     row_tiles = triton.cdiv(nqb, rows_per_tile)
