@@ -49,10 +49,12 @@ is quadratic in the sequence.
 
 Tile sizes, warps and pipeline stages are the module constants below, chosen by reasoning for
 Hopper (256-row tiles so that a GQA group of 4 at block 64 shares every key tile, 64 windows per
-step, 8 warps, 2 stages). On one H200 at 128K (paper defaults, Hq 32 / Hkv 8, bf16) the two
-passes take 53.5 ms (23.6 + 29.3), the fastest of the four tile configurations timed (128 x 64,
-128 x 128 and 256 x 128 took 67.6, 72.7 and 53.8); ``split`` 1 takes 37.3 ms and 3 63.3
-(``results/bench/issue10-s4/planner_timing.log``). The public function takes ``block_m`` /
+step, 8 warps, 3 stages). On one H200 at 128K (paper defaults, Hq 32 / Hkv 8, bf16) the two
+passes took 53.5 ms (23.6 + 29.3) with 2 stages, the fastest of the four tile configurations timed
+then (128 x 64, 128 x 128 and 256 x 128 took 67.6, 72.7 and 53.8); ``split`` 1 takes 37.3 ms and 3
+63.3 (``results/bench/issue10-s4/planner_timing.log``). 3 stages took them to 49.5 ms against 53.4
+(4 stages 49.8, 512 x 64 with 2 stages 48.1, 128 x 64 with 3 or 4 67.7-69.9; 256 x 128 with 3 does
+not fit Hopper's shared memory; ``results/bench/issue10-s9/diag/nsa_tiles.json``). The public function takes ``block_m`` /
 ``block_n`` / ``split`` overrides. :func:`unsupported` says when
 the kernels cannot run (no Triton on the device, a dtype other than float16 / bfloat16 /
 float32, a block above :data:`MAX_BLOCK`, a head dim above :data:`MAX_HEAD_DIM`); callers then
@@ -77,7 +79,8 @@ BLOCK_M = 256
 #: windows per inner step (a power of two, >= 16; raised where a window's spill needs more blocks)
 BLOCK_N = 64
 NUM_WARPS = 8
-NUM_STAGES = 2
+#: 3 stages of 256 query rows and 2 x 64 windows of head dim 128 in 16 bits: 160 KB (module docstring)
+NUM_STAGES = 3
 #: terms of the 16-bit split of the float32 compressed keys (module docstring); 1 to 3
 SPLIT = 2
 #: shared memory the resident query tile and the pipelined key tiles may use per program at most
