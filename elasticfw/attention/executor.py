@@ -43,6 +43,11 @@ class Executor(ABC):
     name: ClassVar[str]
     config_class: ClassVar[type[ExecutorConfig]]
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
+    #: whether :meth:`attend_routed` takes ``hard_host=``: the routing the caller already holds on the
+    #: CPU (``hard``'s values), so that an executor choosing kernels on the host needs no device read
+    #: of its own (on a GPU each waits for every queued kernel). An executor that sets it accepts
+    #: the keyword; executors written before it keep the signature below and never receive it.
+    takes_host_routing: ClassVar[bool] = False
 
     def __init__(self, config: ExecutorConfig | None = None) -> None:
         reason = self.availability()

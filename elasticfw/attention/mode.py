@@ -241,16 +241,20 @@ def attend_routed(
     layouts: tuple[BlockLayout, BlockLayout],
     scale: float,
     need_lse: bool = False,
+    hard_host: torch.Tensor | None = None,
 ) -> AttentionOutput:
     """Every query head in its routed mode: ``hard`` (B, Hq) True sends a head to ``sparse``, else
     to ``retrieval``; ``layouts`` are their (retrieval, sparse) layouts. The executor runs them
     (:meth:`~elasticfw.attention.executor.Executor.attend_routed`; by default one launch over
     :func:`routed_layout`, the per-head combination at the smaller block size); a mode's side
-    branch (NSA's compressed keys) is merged into its own heads by log-sum-exp."""
+    branch (NSA's compressed keys) is merged into its own heads by log-sum-exp. ``hard_host``:
+    ``hard`` on the CPU when the caller has it, passed on to an executor that takes it
+    (:attr:`~elasticfw.attention.executor.Executor.takes_host_routing`)."""
     extras = [(mode.side_branch(q, k, v, seq, scale=scale), heads) for mode, heads in ((sparse, hard), (retrieval, ~hard))]
     need_lse = need_lse or any(extra is not None for extra, _ in extras)
     # the executor decides how to launch the two head groups (default: one launch over routed_layout)
-    result = executor.attend_routed(q, k, v, seq, hard=hard, layouts=layouts, scale=scale, need_lse=need_lse)
+    host = {"hard_host": hard_host} if hard_host is not None and executor.takes_host_routing else {}
+    result = executor.attend_routed(q, k, v, seq, hard=hard, layouts=layouts, scale=scale, need_lse=need_lse, **host)
     for extra, heads in extras:
         if extra is not None:
             merged = merge_lse(result, extra)

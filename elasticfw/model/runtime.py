@@ -89,9 +89,11 @@ class ElasticRuntime:
     #: layers of a forward share its mask information, so only the first reads the mask from the device
     #: and builds the SeqInfo
     padding_memo: Padding | None = None
-    #: layer -> (its decision, hard (B, Hq), no head sparse, every head sparse) at inference, while the
-    #: layer's decision is that object (:meth:`_hard_routing`)
-    routing_memo: dict[int, tuple[RouterDecision, torch.Tensor, bool, bool]] = field(default_factory=dict)
+    #: layer -> (its decision, hard (B, Hq), the same on the CPU, no head sparse, every head sparse) at
+    #: inference, while the layer's decision is that object (:meth:`_hard_routing`)
+    routing_memo: dict[int, tuple[RouterDecision, torch.Tensor, torch.Tensor, bool, bool]] = field(
+        default_factory=dict
+    )
 
     # -- entry point (called by the bridge) ---------------------------------------------------
     def attend(
@@ -233,7 +235,7 @@ class ElasticRuntime:
             out = r * out_s + (1 - r) * out_r
             pairs = (lay_r, lay_s)
         else:
-            hard, none_sparse, all_sparse = self._hard_routing(layer_idx, decision, hq // hkv)
+            hard, hard_host, none_sparse, all_sparse = self._hard_routing(layer_idx, decision, hq // hkv)
             if none_sparse or all_sparse:
                 mode = self.sparse_mode if all_sparse else self.retrieval_mode
                 (layout,) = self._layouts([mode], can, window, scale)
@@ -241,7 +243,7 @@ class ElasticRuntime:
                 pairs = (layout, layout)
             else:
                 lay_r, lay_s = self._layouts([self.retrieval_mode, self.sparse_mode], can, window, scale)
-                out = self._one_launch(can, hard, lay_r, lay_s, scale)
+                out = self._one_launch(can, hard, hard_host, lay_r, lay_s, scale)
                 pairs = (lay_r, lay_s)
         if record:
             self.records[layer_idx] = LayerRecord(
@@ -252,26 +254,31 @@ class ElasticRuntime:
             )
         return out
 
-    def _hard_routing(self, layer_idx: int, decision: RouterDecision, group: int) -> tuple[torch.Tensor, bool, bool]:
-        """``(hard (B, Hq) bool, no head sparse, every head sparse)`` of an inference decision: one
-        device read for both questions (each would be a synchronisation), kept per layer while the
-        decision is the same object, so the decode steps that reuse their prefill's decision read
-        nothing from the device."""
+    def _hard_routing(
+        self, layer_idx: int, decision: RouterDecision, group: int
+    ) -> tuple[torch.Tensor, torch.Tensor, bool, bool]:
+        """``(hard (B, Hq) bool, the same on the CPU, no head sparse, every head sparse)`` of an
+        inference decision: at most one device read for all of them (each would be a
+        synchronisation; none when the router gave the decision's ``host`` copy), kept per layer
+        while the decision is the same object, so the decode steps that reuse their prefill's
+        decision read nothing from the device."""
         memo = self.routing_memo.get(layer_idx)
         if memo is not None and memo[0] is decision:
-            return memo[1], memo[2], memo[3]
+            return memo[1], memo[2], memo[3], memo[4]
         hard = decision.sparse.detach().repeat_interleave(group, dim=1) > 0.5
-        on_host = hard.cpu()
+        source = decision.host if decision.host is not None else decision.sparse.detach().cpu()
+        on_host = source.repeat_interleave(group, dim=1) > 0.5
         none_sparse, all_sparse = not bool(on_host.any()), bool(on_host.all())
-        self.routing_memo[layer_idx] = (decision, hard, none_sparse, all_sparse)
-        return hard, none_sparse, all_sparse
+        self.routing_memo[layer_idx] = (decision, hard, on_host, none_sparse, all_sparse)
+        return hard, on_host, none_sparse, all_sparse
 
     def _one_launch(
-        self, can: Canonical, hard: torch.Tensor, lay_r: BlockLayout, lay_s: BlockLayout, scale: float
+        self, can: Canonical, hard: torch.Tensor, hard_host: torch.Tensor, lay_r: BlockLayout, lay_s: BlockLayout,
+        scale: float,
     ) -> torch.Tensor:
         return attend_routed(
             can.q, can.k, can.v, can.seq, self.executor, retrieval=self.retrieval_mode, sparse=self.sparse_mode,
-            hard=hard, layouts=(lay_r, lay_s), scale=scale,
+            hard=hard, layouts=(lay_r, lay_s), scale=scale, hard_host=hard_host,
         ).out
 
     @staticmethod

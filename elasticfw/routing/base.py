@@ -32,21 +32,52 @@ class HeadLayout:
         return len(self.routed_layers)
 
 
+class HostCopy:
+    """A CPU copy of a (small) tensor that routers keep for :attr:`RouterDecision.host`: read from
+    the device once, and again only after the tensor changed (an in-place edit bumps its version; a
+    move to another device or dtype gives it new storage)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[int, int, torch.dtype] | None = None
+        self._copy: torch.Tensor | None = None
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = (tensor._version, tensor.data_ptr(), tensor.dtype)
+        if self._copy is None or self._key != key:
+            self._copy, self._key = tensor.detach().cpu(), key
+        return self._copy
+
+
 @dataclass(frozen=True)
 class RouterDecision:
     """Per (sample, KV head) decision of one layer. ``sparse`` is 1.0 for the sparse mode and
     0.0 for the retrieval mode; in training it carries the straight-through gradient of
-    ``prob_sparse``. ``logits`` is optional (learned routers)."""
+    ``prob_sparse``. ``logits`` is optional (learned routers). ``host`` is optional: ``sparse``'s
+    values as a CPU tensor, for a router that knows them without computing on the device
+    (input-independent routers); the runtime then chooses kernels without reading the device,
+    which on a GPU waits for every queued kernel."""
 
     sparse: torch.Tensor  # (B, Hkv) float
     prob_sparse: torch.Tensor  # (B, Hkv) float in [0, 1]
     logits: torch.Tensor | None = None
+    host: torch.Tensor | None = None  # (B, Hkv) float on the CPU, equal to sparse
+
+    def __post_init__(self) -> None:
+        if self.host is not None and (self.host.device.type != "cpu" or self.host.shape != self.sparse.shape):
+            raise ValueError(
+                f"RouterDecision.host must be a CPU tensor of sparse's shape {tuple(self.sparse.shape)}, got "
+                f"{tuple(self.host.shape)} on {self.host.device}"
+            )
 
     @classmethod
-    def constant(cls, row: torch.Tensor, batch: int, device: torch.device) -> RouterDecision:
-        """The same 0/1 assignment ``row`` (Hkv,) for every sample (input-independent routers)."""
+    def constant(
+        cls, row: torch.Tensor, batch: int, device: torch.device, *, host_row: torch.Tensor | None = None
+    ) -> RouterDecision:
+        """The same 0/1 assignment ``row`` (Hkv,) for every sample (input-independent routers);
+        ``host_row``: the same values on the CPU (the decision's ``host``)."""
         sparse = row.to(device)[None, :].expand(batch, -1)
-        return cls(sparse=sparse, prob_sparse=sparse)
+        host = None if host_row is None else host_row[None, :].expand(batch, -1)
+        return cls(sparse=sparse, prob_sparse=sparse, host=host)
 
 
 class Router(nn.Module, ABC):

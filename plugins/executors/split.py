@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections import OrderedDict
 from typing import Literal
 
 import torch
@@ -177,11 +178,8 @@ def _decode_kernel_reason(
     return unsupported(q, *selections)  # type: ignore[arg-type]
 
 
-def _take_heads(t: torch.Tensor, heads: list[int]) -> torch.Tensor:
-    """Heads ``heads`` (ascending) of a (B, H, S, D) tensor: a view for a contiguous range, else a gather."""
-    if heads == list(range(heads[0], heads[-1] + 1)):
-        return t[:, heads[0] : heads[-1] + 1]
-    return t.index_select(1, torch.tensor(heads, device=t.device))
+#: head-index tensors a split executor keeps (one per routing pattern of its layers' dense heads)
+INDEX_CACHE_SIZE = 256
 
 
 def _empty_like_layout(layout: BlockLayout) -> BlockLayout:
@@ -215,10 +213,33 @@ class SplitExecutor(Executor):
     name = "split"
     config_class = SplitConfig
     config: SplitConfig
+    takes_host_routing = True  # the runtime's CPU copy of the routing: no device read per routed layer
 
     def __init__(self, config: SplitConfig | None = None) -> None:
         super().__init__(config)
         self._flex: FlexExecutor | None = None
+        #: (device, heads) -> the heads as an int64 index on that device: built once per routing
+        #: pattern (building it from a list is a copy to the device, which waits for queued kernels)
+        self._indices: OrderedDict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = OrderedDict()
+
+    def _head_index(self, heads: list[int], device: torch.device) -> torch.Tensor:
+        """``heads`` as an int64 tensor on ``device``, kept for the next layer or forward with the
+        same heads (at most :data:`INDEX_CACHE_SIZE` patterns, least recently used dropped first)."""
+        key = (device, tuple(heads))
+        index = self._indices.get(key)
+        if index is None:
+            index = self._indices[key] = torch.tensor(heads, device=device)
+            while len(self._indices) > INDEX_CACHE_SIZE:
+                self._indices.popitem(last=False)
+        else:
+            self._indices.move_to_end(key)
+        return index
+
+    def _take_heads(self, t: torch.Tensor, heads: list[int]) -> torch.Tensor:
+        """Heads ``heads`` (ascending) of a (B, H, S, D) tensor: a view for a contiguous range, else a gather."""
+        if heads == list(range(heads[0], heads[-1] + 1)):
+            return t[:, heads[0] : heads[-1] + 1]
+        return t.index_select(1, self._head_index(heads, t.device))
 
     # -- decisions -----------------------------------------------------------------------------
     def sparse_path(self, device: torch.device, seq: SeqInfo | None = None) -> str:
@@ -266,6 +287,7 @@ class SplitExecutor(Executor):
         layouts: tuple[BlockLayout, BlockLayout],
         scale: float,
         need_lse: bool = True,
+        hard_host: torch.Tensor | None = None,
     ) -> AttentionOutput:
         lay_r, lay_s = layouts
         if self.sparse_path(q.device, seq) == "kernel":
@@ -280,7 +302,7 @@ class SplitExecutor(Executor):
                     )
                 return self.decode_kernel(q, k, v, seq, layouts, scale=scale, need_lse=need_lse, reason=reason,
                                           second_heads=hard)
-        dense_heads = self.split_heads(q, k, seq, hard, layouts, need_lse)
+        dense_heads = self.split_heads(q, k, seq, hard, layouts, need_lse, hard_host=hard_host)
         if dense_heads is None:
             return super().attend_routed(q, k, v, seq, hard=hard, layouts=layouts, scale=scale, need_lse=need_lse)
         for layout in layouts:
@@ -294,7 +316,8 @@ class SplitExecutor(Executor):
         if len(dense_q) == hq:
             return AttentionOutput(self.dense(q, k, v, scale=scale, causal=causal), None)
         out_d = self.dense(
-            _take_heads(q, dense_q), _take_heads(k, dense_kv), _take_heads(v, dense_kv), scale=scale, causal=causal
+            self._take_heads(q, dense_q), self._take_heads(k, dense_kv), self._take_heads(v, dense_kv), scale=scale,
+            causal=causal,
         )
         # the sparse group over all heads, the dense heads' rows empty: no q/K/V copy, one kernel shape
         if self.sparse_path(q.device, seq) == "flex":  # the layout's mask converted once, dense heads dropped
@@ -305,7 +328,7 @@ class SplitExecutor(Executor):
         else:
             rest = select_heads(sparse_heads, sparse_layout, _empty_like_layout(sparse_layout))
             out_s = self.gathered(q, k, v, rest, seq, scale=scale, need_lse=False).out
-        index = torch.tensor(dense_q, device=q.device)
+        index = self._head_index(dense_q, q.device)
         if out_s.requires_grad:  # autograd keeps FlexAttention's output for its backward: a new tensor
             return AttentionOutput(out_s.index_copy(1, index, out_d.to(out_s.dtype)), None)
         # inference: write only the dense heads' rows into the sparse launch's output
@@ -319,8 +342,11 @@ class SplitExecutor(Executor):
         hard: torch.Tensor,
         layouts: tuple[BlockLayout, BlockLayout],
         need_lse: bool,
+        *,
+        hard_host: torch.Tensor | None = None,
     ) -> tuple[list[int], list[int]] | None:
-        """(dense query heads, their KV heads) when a routed call splits, else ``None`` (one launch)."""
+        """(dense query heads, their KV heads) when a routed call splits, else ``None`` (one launch).
+        ``hard_host``: ``hard`` on the CPU when the caller has it (no device read here)."""
         lay_r, lay_s = layouts
         if need_lse or lay_r.dense_causal == lay_s.dense_causal or not _dense_shape(seq):
             return None
@@ -329,7 +355,12 @@ class SplitExecutor(Executor):
             raise UnsupportedInputError(
                 f"executor 'split': hard must be (batch, query heads) = {(q.shape[0], hq)}, got {tuple(hard.shape)}"
             )
-        host = hard.cpu()  # one device read for every decision below (each would be a synchronisation)
+        if hard_host is not None and hard_host.shape != hard.shape:
+            raise UnsupportedInputError(
+                f"executor 'split': hard_host must have hard's shape {tuple(hard.shape)}, got {tuple(hard_host.shape)}"
+            )
+        # one device read for every decision below (each would be a synchronisation), none when given
+        host = hard.cpu() if hard_host is None else hard_host
         if not bool((host == host[:1]).all()):
             return None  # samples routed differently: one launch (documented)
         dense = (~host[0] if lay_r.dense_causal else host[0]).view(hkv, hq // hkv)

@@ -13,7 +13,7 @@ from pydantic import Field, model_validator
 
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import UnsupportedInputError
-from elasticfw.routing.base import HeadLayout, Router, RouterConfig, RouterDecision
+from elasticfw.routing.base import HeadLayout, HostCopy, Router, RouterConfig, RouterDecision
 
 
 class FixedConfig(RouterConfig):
@@ -40,6 +40,7 @@ class FixedRouter(Router):
     name = "fixed"
     config_class = FixedConfig
     config: FixedConfig
+    table: torch.Tensor  # (routed layers, Hkv) buffer: 1.0 sparse, 0.0 retrieval
 
     def __init__(self, config: FixedConfig, heads: HeadLayout) -> None:
         super().__init__(config, heads)
@@ -58,6 +59,7 @@ class FixedRouter(Router):
             if config.assign == "retrieval_heads":
                 table = 1.0 - table
         self.register_buffer("table", table, persistent=False)
+        self._host = HostCopy()  # the table on the CPU: the decisions' ``host``
 
     def decide(self, layer: int, keys: torch.Tensor, seq: SeqInfo) -> RouterDecision:
-        return RouterDecision.constant(self.table[layer], keys.shape[0], keys.device)
+        return RouterDecision.constant(self.table[layer], keys.shape[0], keys.device, host_row=self._host(self.table)[layer])

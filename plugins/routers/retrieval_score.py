@@ -18,7 +18,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import ElasticError, RecipeError
-from elasticfw.routing.base import HeadLayout, Router, RouterConfig, RouterDecision
+from elasticfw.routing.base import HeadLayout, HostCopy, Router, RouterConfig, RouterDecision
 
 
 class RetrievalScoreConfig(RouterConfig):
@@ -60,18 +60,21 @@ class RetrievalScoreRouter(Router):
     name = "retrieval_score"
     config_class = RetrievalScoreConfig
     config: RetrievalScoreConfig
+    table: torch.Tensor  # (routed layers, Hkv) buffer: 1.0 sparse, 0.0 retrieval
 
     def __init__(self, config: RetrievalScoreConfig, heads: HeadLayout) -> None:
         super().__init__(config, heads)
         self.register_buffer("table", torch.zeros(heads.num_routed, heads.num_kv_heads), persistent=False)
         self.scores: torch.Tensor | None = None  # (L_routed, Hkv)
         self._probing = False
+        self._host = HostCopy()  # the table on the CPU: the decisions' ``host``
 
     def decide(self, layer: int, keys: torch.Tensor, seq: SeqInfo) -> RouterDecision:
         if self.scores is None and not self._probing:
             raise ElasticError("retrieval_score router used before calibration: call router.prepare(elastic, tokenizer)")
-        table = torch.zeros_like(self.table) if self._probing else self.table
-        return RouterDecision.constant(table[layer], keys.shape[0], keys.device)
+        if self._probing:
+            return RouterDecision.constant(torch.zeros_like(self.table[layer]), keys.shape[0], keys.device)
+        return RouterDecision.constant(self.table[layer], keys.shape[0], keys.device, host_row=self._host(self.table)[layer])
 
     # -- calibration -----------------------------------------------------------------------------
     def prepare(self, elastic: Any, tokenizer: Any, *, seed: int = 0) -> None:
