@@ -30,7 +30,6 @@ from elasticfw_plugins.executors.split import (
     SplitExecutor,
     _sdpa_backends,
     _sdpa_context,
-    _take_heads,
 )
 
 FULL = make_mode("full", {"block_size": 16})
@@ -182,7 +181,7 @@ def test_contiguous_dense_heads_are_views_and_scattered_ones_are_gathered(monkey
     for layout, dense_q in zip(spy.sparse, ([0, 1, 2, 3], [0, 1, 4, 5])):
         assert layout.blocks.shape[1] == 8
         assert not bool(layout.blocks[:, dense_q].any()) and bool(layout.blocks[:, 2].any() or layout.blocks[:, 7].any())
-    assert torch.equal(_take_heads(k, [1, 2, 3]), k[:, 1:4]) and _take_heads(k, [1, 2, 3])._base is k
+    assert torch.equal(ex._take_heads(k, [1, 2, 3]), k[:, 1:4]) and ex._take_heads(k, [1, 2, 3])._base is k
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,9 @@ CUDA-event-timed calls against one dense causal cuDNN SDPA layer:
   ``gather call`` (``gathered_selection_attention``), with the key chunks each tile visits against
   the keys each row sees, in chunks (``chunk_ratio``: how much the tile union costs);
 * with ``--tiles BM,BN,WARPS,STAGES ...`` the kernel under those launch configurations;
+* with ``--triton-work-lists`` the plan and the call with the work lists built by the Triton
+  kernel of :mod:`elasticfw.kernels.work_lists` (``TRITON_WORK_LISTS``), and whether its lists
+  equal torch's;
 * with ``--options TMA,REVERSE[,GROUP] ...`` (each 0 or 1: ``USE_TMA``, ``REVERSE_TILES`` and
   ``GROUP_HEADS``, default 1, of the kernel module), the kernel under each option set and each
   tile configuration (the defaults and
@@ -100,6 +103,8 @@ def main() -> None:
     p.add_argument("--tiles", nargs="*", default=[], metavar="BM,BN,WARPS,STAGES")
     p.add_argument("--options", nargs="*", default=[], metavar="TMA,REVERSE[,GROUP]")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--triton-work-lists", action="store_true",
+                   help="also the plan and the call with the work lists built by elasticfw.kernels.work_lists")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     q, k, v, seq = structured_layer(args)
@@ -138,6 +143,23 @@ def main() -> None:
             results[f"{name}: call"] = timed(
                 lambda s=selection: bsa.row_selection_attention(q, k, v, s, seq, scale=scale), args.repeats)
             calls = [(f"{name} tiles", lambda s=selection: bsa.row_selection_attention(q, k, v, s, seq, scale=scale))]
+            if args.triton_work_lists:  # the same plan and call with the lists built by the Triton kernel
+                from elasticfw.kernels.work_lists import work_lists_triton
+
+                triton_plan = bsa.WorkPlan(*work_lists_triton(selection, seq, plan.block_m, plan.block_n),
+                                           plan.block_m, plan.block_n)
+                same = all(torch.equal(a, b) for a, b in zip(
+                    (plan.clean, plan.clean_count, plan.masked, plan.masked_count),
+                    (triton_plan.clean, triton_plan.clean_count, triton_plan.masked, triton_plan.masked_count)))
+                notes[f"{name}: triton work lists equal torch's"] = float(same)
+                bsa.TRITON_WORK_LISTS = True
+                try:
+                    results[f"{name}: plan, triton lists"] = timed(lambda s=selection: bsa.plan_work(s, seq),
+                                                                   args.repeats)
+                    results[f"{name}: call, triton lists"] = timed(
+                        lambda s=selection: bsa.row_selection_attention(q, k, v, s, seq, scale=scale), args.repeats)
+                finally:
+                    bsa.TRITON_WORK_LISTS = False
             for spec in args.tiles:
                 tiles = _tiles(spec)
                 results[f"{name}: call, tiles {spec}"] = timed(

@@ -234,7 +234,13 @@ def plan_work(selection: RowSelection, seq: SeqInfo, tiles: Tiles | None = None)
         raise BackendUnavailableError(
             f"Triton block-sparse kernel: key group size {selection.group_size} is not a multiple of 16"
         )
-    return WorkPlan(*work_lists(selection, seq, tiles.block_m, block_n), tiles.block_m, block_n)
+    if TRITON_WORK_LISTS:
+        from elasticfw.kernels.work_lists import work_lists_triton
+
+        lists = work_lists_triton(selection, seq, tiles.block_m, block_n)
+    else:
+        lists = work_lists(selection, seq, tiles.block_m, block_n)
+    return WorkPlan(*lists, tiles.block_m, block_n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,6 +384,9 @@ def _block_sparse_kernel(
     tl.store(lse_ptr + (b * tl.num_programs(1) + h).to(tl.int64) * q_len + i, lse, mask=row_ok)
 
 
+#: the work lists built by one Triton kernel (:mod:`elasticfw.kernels.work_lists`) instead of in torch;
+#: off until its speed is measured on a GPU (it equals the torch lists under the interpreter)
+TRITON_WORK_LISTS = False
 #: K and V through TMA tensor descriptors where their strides allow (:func:`kv_descriptor`), on
 #: GPUs of compute capability 9 or more and under the interpreter
 USE_TMA = True

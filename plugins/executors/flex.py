@@ -119,7 +119,7 @@ class FlexConfig(ExecutorConfig):
         "gather",
         description="How the Triton kernels run per-row selections without a window (per-token MoBA): "
         "`gather` (elasticfw.kernels.gather_attention: per key group, the query rows that chose it, merged by "
-        "log-sum-exp; exactly the selected pairs; 65.3 ms against 182.9 for `tiles` on a 128K MoBA layer on "
+        "log-sum-exp; exactly the selected pairs; 58.5 ms against 183.1 for `tiles` on a 128K MoBA layer on "
         "an H200) or `tiles` (the block-sparse kernel: each 128-row tile over the union of its rows' "
         "selections). Selections with a window (NSA) and block layouts always take the block-sparse kernel.",
     )

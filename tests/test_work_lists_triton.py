@@ -1,0 +1,97 @@
+"""The Triton work-list builder (elasticfw.kernels.work_lists) against the definition
+(elasticfw.kernels.block_sparse_attention.work_lists, torch) and a hand-checked case, under Triton's
+interpreter: the four lists equal, entry for entry, over tiles that cover one or several layout
+rows or part of one, query starts off the tile grid, padded keys, decode rows, windows, tables
+shared by the batch, narrower or wider than the keys, and groups read in several chunks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from elasticfw.attention.layout import RowSelection
+from elasticfw.attention.seq import SeqInfo
+from elasticfw.kernels import triton_unavailable
+
+pytestmark = pytest.mark.skipif(triton_unavailable(torch.device("cpu")) is not None,
+                                reason="needs Triton's interpreter")
+
+
+def _seq(q_start, kv_len, q_len, cap):
+    return SeqInfo(torch.tensor(q_start), torch.tensor(kv_len), q_len, cap)
+
+
+CASES = {
+    # name: (seq, table batch, heads, row_block, group, window, extra groups, block_m, block_n, density)
+    "one_row_per_tile": (lambda: SeqInfo.dense(1, 256, 256), 1, 3, 64, 64, 0, 0, 64, 64, 0.4),
+    "two_rows_per_tile": (lambda: SeqInfo.dense(2, 256, 256), 2, 2, 32, 32, 0, 0, 64, 32, 0.5),
+    "tile_inside_a_row": (lambda: _seq([5], [140], 135, 140), 1, 2, 64, 64, 0, 0, 32, 32, 0.7),
+    "chunked_unaligned": (lambda: _seq([37, 50], [170, 118], 70, 170), 1, 2, 16, 16, 0, 0, 32, 16, 0.6),
+    "padded_keys": (lambda: _seq([0, 0], [150, 83], 150, 150), 2, 2, 16, 16, 0, 0, 32, 16, 0.7),
+    "decode": (lambda: _seq([149, 96], [150, 97], 1, 150), 2, 4, 16, 16, 0, 0, 16, 16, 0.5),
+    "per_token_rows_window": (lambda: _seq([0, 30], [150, 140], 110, 150), 2, 2, 1, 32, 24, 0, 32, 16, 0.3),
+    "window_wider_than_tile": (lambda: _seq([20], [200], 180, 200), 1, 1, 32, 32, 100, 0, 32, 16, 0.1),
+    "group_in_four_chunks": (lambda: SeqInfo.dense(1, 300, 300), 1, 2, 64, 64, 0, 0, 64, 16, 0.5),
+    "narrow_table": (lambda: SeqInfo.dense(1, 200, 200), 1, 2, 32, 32, 0, -2, 32, 32, 0.8),
+    "wide_table": (lambda: SeqInfo.dense(1, 200, 200), 1, 2, 32, 32, 0, 3, 32, 32, 0.8),
+    "many_chunks": (lambda: SeqInfo.dense(1, 1100, 1100), 1, 1, 16, 16, 40, 0, 64, 16, 0.3),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_work_lists_equal_the_definition(name):
+    from elasticfw.kernels.block_sparse_attention import work_lists
+    from elasticfw.kernels.work_lists import work_lists_triton
+
+    make, table_batch, heads, row_block, group, window, extra, block_m, block_n, density = CASES[name]
+    seq = make()
+    rows = seq.num_query_blocks(row_block)
+    groups = math.ceil(seq.kv_capacity / group) + extra
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    selected = torch.rand(table_batch, heads, rows, groups, generator=g) < density
+    selection = RowSelection(selected, group, row_block=row_block, window=window)
+    want = work_lists(selection, seq, block_m, block_n)
+    got = work_lists_triton(selection, seq, block_m, block_n)
+    for label, a, b in zip(("clean", "clean_count", "masked", "masked_count"), got, want):
+        assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b), label
+    assert int(want[1].sum()) + int(want[3].sum()) > 0
+
+
+def test_triton_work_lists_by_hand():
+    """The definition's hand-checked case: 4-row tiles, 2-key chunks, one 4-key block per row."""
+    from elasticfw.kernels.work_lists import work_lists_triton
+
+    seq = SeqInfo.dense(1, 12, 12)
+    blocks = torch.tensor([[[[1, 0, 0], [1, 1, 0], [0, 1, 1]]]], dtype=torch.bool)
+    clean, n_clean, masked, n_masked = work_lists_triton(RowSelection(blocks, 4, row_block=4), seq, 4, 2)
+    lists = lambda li, n, t: li[0, 0, t, : n[0, 0, t]].tolist()  # noqa: E731
+    assert [lists(clean, n_clean, t) for t in range(3)] == [[], [0, 1], [2, 3]]
+    assert [lists(masked, n_masked, t) for t in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    with pytest.raises(ValueError, match="divide the group size"):
+        work_lists_triton(RowSelection(blocks, 4, row_block=4), seq, 4, 8)
+
+
+def test_plan_work_takes_the_triton_builder_when_switched_on(monkeypatch):
+    """``TRITON_WORK_LISTS`` (off by default until measured on a GPU) routes plan_work through the
+    Triton builder; the attention over its lists equals the attention over the definition's."""
+    import elasticfw.kernels.block_sparse_attention as bsa
+    import elasticfw.kernels.work_lists as wl
+
+    assert bsa.TRITON_WORK_LISTS is False
+    seq = SeqInfo.dense(1, 192, 192)
+    g = torch.Generator().manual_seed(2)
+    selection = RowSelection(torch.rand(1, 2, 3, 3, generator=g) < 0.6, 64, row_block=64)
+    q = torch.randn(1, 4, 192, 16, generator=g)
+    k = torch.randn(1, 2, 192, 16, generator=g)
+    v = torch.randn(1, 2, 192, 16, generator=g)
+    ref = bsa.row_selection_attention(q, k, v, selection, seq, scale=0.25)
+    calls = []
+    real = wl.work_lists_triton
+    monkeypatch.setattr(wl, "work_lists_triton", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(bsa, "TRITON_WORK_LISTS", True)
+    got = bsa.row_selection_attention(q, k, v, selection, seq, scale=0.25)
+    assert len(calls) == 1
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], ref[1], rtol=0, atol=0)
