@@ -1,6 +1,7 @@
 """The Triton work-list builder (elasticfw.kernels.work_lists) against the definition
 (elasticfw.kernels.block_sparse_attention.work_lists, torch) and a hand-checked case, under Triton's
-interpreter: the four lists equal, entry for entry, over tiles that cover one or several layout
+interpreter (on CUDA where there is one, and at 32K with the ``gpu`` mark): the four lists
+equal, entry for entry, over tiles that cover one or several layout
 rows or part of one, query starts off the tile grid, padded keys, decode rows, windows, tables
 shared by the batch, narrower or wider than the keys, and groups read in several chunks."""
 
@@ -15,8 +16,8 @@ from elasticfw.attention.layout import RowSelection
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.kernels import triton_unavailable
 
-pytestmark = pytest.mark.skipif(triton_unavailable(torch.device("cpu")) is not None,
-                                reason="needs Triton's interpreter")
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(triton_unavailable(DEV) is not None, reason=f"Triton cannot run here: {triton_unavailable(DEV)}")
 
 
 def _seq(q_start, kv_len, q_len, cap):
@@ -50,7 +51,8 @@ def test_triton_work_lists_equal_the_definition(name):
     rows = seq.num_query_blocks(row_block)
     groups = math.ceil(seq.kv_capacity / group) + extra
     g = torch.Generator().manual_seed(sum(map(ord, name)))
-    selected = torch.rand(table_batch, heads, rows, groups, generator=g) < density
+    selected = (torch.rand(table_batch, heads, rows, groups, generator=g) < density).to(DEV)
+    seq = SeqInfo(seq.q_start.to(DEV), seq.kv_len.to(DEV), seq.q_len, seq.kv_capacity)
     selection = RowSelection(selected, group, row_block=row_block, window=window)
     want = work_lists(selection, seq, block_m, block_n)
     got = work_lists_triton(selection, seq, block_m, block_n)
@@ -63,8 +65,8 @@ def test_triton_work_lists_by_hand():
     """The definition's hand-checked case: 4-row tiles, 2-key chunks, one 4-key block per row."""
     from elasticfw.kernels.work_lists import work_lists_triton
 
-    seq = SeqInfo.dense(1, 12, 12)
-    blocks = torch.tensor([[[[1, 0, 0], [1, 1, 0], [0, 1, 1]]]], dtype=torch.bool)
+    seq = SeqInfo.dense(1, 12, 12, device=DEV)
+    blocks = torch.tensor([[[[1, 0, 0], [1, 1, 0], [0, 1, 1]]]], dtype=torch.bool, device=DEV)
     clean, n_clean, masked, n_masked = work_lists_triton(RowSelection(blocks, 4, row_block=4), seq, 4, 2)
     lists = lambda li, n, t: li[0, 0, t, : n[0, 0, t]].tolist()  # noqa: E731
     assert [lists(clean, n_clean, t) for t in range(3)] == [[], [0, 1], [2, 3]]
@@ -80,12 +82,10 @@ def test_plan_work_takes_the_triton_builder_when_switched_on(monkeypatch):
     import elasticfw.kernels.work_lists as wl
 
     assert bsa.TRITON_WORK_LISTS is False
-    seq = SeqInfo.dense(1, 192, 192)
+    seq = SeqInfo.dense(1, 192, 192, device=DEV)
     g = torch.Generator().manual_seed(2)
-    selection = RowSelection(torch.rand(1, 2, 3, 3, generator=g) < 0.6, 64, row_block=64)
-    q = torch.randn(1, 4, 192, 16, generator=g)
-    k = torch.randn(1, 2, 192, 16, generator=g)
-    v = torch.randn(1, 2, 192, 16, generator=g)
+    selection = RowSelection((torch.rand(1, 2, 3, 3, generator=g) < 0.6).to(DEV), 64, row_block=64)
+    q, k, v = (torch.randn(1, h, 192, 16, generator=g).to(DEV) for h in (4, 2, 2))
     ref = bsa.row_selection_attention(q, k, v, selection, seq, scale=0.25)
     calls = []
     real = wl.work_lists_triton
@@ -95,3 +95,26 @@ def test_plan_work_takes_the_triton_builder_when_switched_on(monkeypatch):
     assert len(calls) == 1
     torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
     torch.testing.assert_close(got[1], ref[1], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("block_m, window", [(64, 0), (128, 0), (64, 512)])
+def test_gpu_32k_xattention_like_lists(block_m, window):
+    """At 32K tokens, 32 table heads of 64-token blocks at about 20% density (an XAttention-like
+    layout: every row keeps its diagonal), with and without NSA's 512-token window: the compiled
+    kernel's lists equal torch's."""
+    from elasticfw.kernels.block_sparse_attention import work_lists
+    from elasticfw.kernels.work_lists import work_lists_triton
+
+    n, bs = 32768, 64
+    seq = SeqInfo.dense(1, n, n, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = n // bs
+    selected = torch.rand(1, 32, rows, rows, generator=g, device="cuda") < 0.2
+    selected |= torch.eye(rows, dtype=torch.bool, device="cuda")
+    selection = RowSelection(selected, bs, row_block=bs, window=window)
+    want = work_lists(selection, seq, block_m, bs)
+    got = work_lists_triton(selection, seq, block_m, bs)
+    for label, a, b in zip(("clean", "clean_count", "masked", "masked_count"), got, want):
+        assert torch.equal(a, b), label

@@ -40,8 +40,9 @@ Before them ``--steps gpu-tests`` runs the GPU tests of the kernels (``pytest -m
    Triton block-sparse kernel with 64-row tiles (``sparse_kernel_tiles``).
 
 7. ``variants/kernel_timing.json`` (only with ``--steps kernels``): ``tools/sparse_kernel_timing.py
-   --profile``, per mode the Triton kernels' work lists, kernel and whole call, the gather path,
-   and profiler tables (where the per-token MoBA time goes).
+   --profile --triton-work-lists``, per mode the Triton kernels' work lists (torch, and the
+   one-launch Triton builder), kernel and whole call, the gather path, and profiler tables (where
+   the per-token MoBA time goes).
 
 8. ``variants/decode_host.json`` (only with ``--steps decode-host``): ``tools/decode_host_timing.py
    --cprofile 200``, the host time of one routed layer's decode attention piece by piece (dense SDPA,
@@ -108,10 +109,11 @@ def gpu(args: argparse.Namespace) -> int:
         "decode": [py, "-m", "elasticfw.bench.decode_memory", "--prefill-executor", "split", "--decode-executor", "split",
          "--out", str(out / "decode.json")],
         "gpu-tests": [py, "-m", "pytest", "tests/test_gpu.py", "tests/test_router_fused.py", "tests/test_xattention_triton.py",
-         "tests/test_moba_triton.py", "tests/test_nsa_triton.py", "tests/test_block_sparse_gpu.py", "-m", "gpu", "-q",
+         "tests/test_moba_triton.py", "tests/test_nsa_triton.py", "tests/test_block_sparse_gpu.py",
+         "tests/test_work_lists_triton.py", "-m", "gpu", "-q",
          "-p", "no:cacheprovider", "--junitxml", str(out / "gpu_tests.xml")],
-        "kernels": [py, str(Path(__file__).with_name("sparse_kernel_timing.py")), "--profile", "--json",
-                    str(out / "variants" / "kernel_timing.json")],
+        "kernels": [py, str(Path(__file__).with_name("sparse_kernel_timing.py")), "--profile", "--triton-work-lists",
+                    "--json", str(out / "variants" / "kernel_timing.json")],
         "decode-host": [py, str(Path(__file__).with_name("decode_host_timing.py")), "--cprofile", "200", "--json",
                         str(out / "variants" / "decode_host.json")],
         "density": [py, "-m", "elasticfw.bench.density", "--seq", "131072", "--tiles", "128,128,8,2", "--triton",
