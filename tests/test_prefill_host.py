@@ -144,7 +144,7 @@ def test_a_host_copy_must_match_the_decision():
     assert decision.host is not None and torch.equal(decision.host, decision.sparse)
 
 
-def test_host_copies_follow_the_table():
+def test_host_copies_follow_the_table(monkeypatch):
     """A router's CPU copy of its table is taken once and taken again after an in-place edit or a
     change of dtype; the decisions' ``host`` equals their ``sparse``."""
     from elasticfw.registry import get_registry
@@ -158,15 +158,13 @@ def test_host_copies_follow_the_table():
         reads.append(1)
         return real(self, *a, **kw)
 
-    torch.Tensor.cpu = counting  # type: ignore[method-assign]
-    try:
-        first = copy(table)
-        assert copy(table) is first and len(reads) == 1
-        table[1, 2] = 1.0  # in place: a new copy
-        assert copy(table)[1, 2] == 1.0 and len(reads) == 2
-        assert copy(table.double()).dtype == torch.float64 and len(reads) == 3
-    finally:
-        torch.Tensor.cpu = real  # type: ignore[method-assign]
+    monkeypatch.setattr(torch.Tensor, "cpu", counting)
+    first = copy(table)
+    assert copy(table) is first and len(reads) == 1
+    table[1, 2] = 1.0  # in place: a new copy
+    assert copy(table)[1, 2] == 1.0 and len(reads) == 2
+    assert copy(table.double()).dtype == torch.float64 and len(reads) == 3
+    monkeypatch.undo()
     entry = get_registry().entry("router", "fixed")
     router = entry.cls(entry.config_class(assign="sparse_heads", heads=[(1, 2)]), HeadLayout((0, 1), 3, 6, 8))
     decision = router.decide(1, torch.zeros(2, 3, 5, 8), None)

@@ -60,6 +60,7 @@ __all__ = [
     "block_layout_attention",
     "check_inputs",
     "default_tiles",
+    "flag_table",
     "kv_descriptor",
     "kv_descriptors",
     "load_rows",
@@ -116,6 +117,13 @@ def default_tiles(selection: RowSelection) -> Tiles:
     if _chunk_size(selection.group_size, DEFAULT_TILES.block_n) == SMALL_TILES.block_n:
         return SMALL_TILES
     return DEFAULT_TILES
+
+
+def flag_table(selected: torch.Tensor, batch: int) -> torch.Tensor:
+    """A selection's flags as the kernels read them: bytes (a bool table viewed in place), and one
+    table for every sample expanded over the batch (stride 0, no copy)."""
+    flags = selected.view(torch.uint8) if selected.dtype == torch.bool else selected
+    return flags.expand(batch, *flags.shape[1:]) if flags.shape[0] != batch else flags
 
 
 def unsupported(q: torch.Tensor) -> str | None:
@@ -503,9 +511,7 @@ def _attend(
         )
     clean, n_clean, masked, n_masked, block_n = (plan.clean, plan.clean_count, plan.masked, plan.masked_count,
                                                  plan.block_n)
-    sel_u8 = sel.view(torch.uint8) if sel.dtype == torch.bool else sel
-    if sel_u8.shape[0] != batch:  # one table for every sample: stride 0 over the batch
-        sel_u8 = sel_u8.expand(batch, *sel_u8.shape[1:])
+    sel_u8 = flag_table(sel, batch)
     grid = (triton.cdiv(q_len, tiles.block_m), hq, batch)
     tma, k_desc, v_desc, k_rows, v_rows = kv_descriptors(k, v, block_n)
     _block_sparse_kernel[grid](

@@ -41,7 +41,7 @@ from elasticfw.attention.layout import RowSelection
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
 from elasticfw.kernels import interpreting, next_pow2, unsupported_tensor
-from elasticfw.kernels.block_sparse_attention import MAX_HEAD_DIM, attend_chunk, load_rows
+from elasticfw.kernels.block_sparse_attention import MAX_HEAD_DIM, attend_chunk, flag_table, load_rows
 
 __all__ = ["decode_attention", "num_splits", "unsupported"]
 
@@ -204,9 +204,7 @@ def _table(selection: RowSelection, batch: int, hq: int, caller: str) -> torch.T
         raise ValueError(
             f"{caller}: a selection table must be (1 or B={batch}, H dividing {hq}, rows >= 1, G), got {tuple(sel.shape)}"
         )
-    sel = sel[:, :, 0]  # flag row 0: the row of the one query of each sample
-    sel = sel.view(torch.uint8) if sel.dtype == torch.bool else sel
-    return sel.expand(batch, *sel.shape[1:]) if sel.shape[0] != batch else sel
+    return flag_table(sel[:, :, 0], batch)  # flag row 0: the row of the one query of each sample
 
 
 @functools.lru_cache(maxsize=64)

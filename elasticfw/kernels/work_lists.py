@@ -28,6 +28,7 @@ import triton.language as tl
 
 from elasticfw.attention.layout import RowSelection
 from elasticfw.attention.seq import SeqInfo
+from elasticfw.kernels.block_sparse_attention import flag_table
 
 __all__ = ["work_lists_triton"]
 
@@ -112,9 +113,7 @@ def work_lists_triton(
     n_masked = torch.zeros_like(n_clean)
     if batch * heads * tiles == 0 or rows == 0:
         return clean, n_clean, masked, n_masked
-    flags = sel.view(torch.uint8) if sel.dtype == torch.bool else sel
-    if flags.shape[0] != batch:  # one table for every sample: stride 0 over the batch
-        flags = flags.expand(batch, *flags.shape[1:])
+    flags = flag_table(sel, batch)
     _work_lists_kernel[(tiles, heads, batch)](
         flags, seq.q_start.contiguous(), seq.kv_len.contiguous(), clean, n_clean, masked, n_masked,
         *flags.stride(), *clean.stride(), *n_clean.stride(),
