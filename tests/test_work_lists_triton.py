@@ -75,26 +75,42 @@ def test_triton_work_lists_by_hand():
         work_lists_triton(RowSelection(blocks, 4, row_block=4), seq, 4, 8)
 
 
-def test_plan_work_takes_the_triton_builder_when_switched_on(monkeypatch):
-    """``TRITON_WORK_LISTS`` (off by default until measured on a GPU) routes plan_work through the
-    Triton builder; the attention over its lists equals the attention over the definition's."""
+def test_plan_work_takes_the_triton_builder_by_default(monkeypatch):
+    """``TRITON_WORK_LISTS`` (on by default) routes plan_work through the Triton builder, off through
+    torch's definition; the attention over either's lists equals a float64 masked-softmax reference
+    built from the selection's flags."""
     import elasticfw.kernels.block_sparse_attention as bsa
     import elasticfw.kernels.work_lists as wl
 
-    assert bsa.TRITON_WORK_LISTS is False
-    seq = SeqInfo.dense(1, 192, 192, device=DEV)
+    assert bsa.TRITON_WORK_LISTS is True
+    n = 192
+    seq = SeqInfo.dense(1, n, n, device=DEV)
     g = torch.Generator().manual_seed(2)
-    selection = RowSelection((torch.rand(1, 2, 3, 3, generator=g) < 0.6).to(DEV), 64, row_block=64)
-    q, k, v = (torch.randn(1, h, 192, 16, generator=g).to(DEV) for h in (4, 2, 2))
-    ref = bsa.row_selection_attention(q, k, v, selection, seq, scale=0.25)
-    calls = []
-    real = wl.work_lists_triton
-    monkeypatch.setattr(wl, "work_lists_triton", lambda *a: calls.append(a) or real(*a))
-    monkeypatch.setattr(bsa, "TRITON_WORK_LISTS", True)
-    got = bsa.row_selection_attention(q, k, v, selection, seq, scale=0.25)
-    assert len(calls) == 1
-    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
-    torch.testing.assert_close(got[1], ref[1], rtol=0, atol=0)
+    flags = torch.rand(1, 2, 3, 3, generator=g) < 0.6
+    flags |= torch.eye(3, dtype=torch.bool)  # every row sees its own block: no empty row
+    selection = RowSelection(flags.to(DEV), 64, row_block=64)
+    q, k, v = (torch.randn(1, h, n, 16, generator=g).to(DEV) for h in (4, 2, 2))
+    # the definition: query head h (table head h // 2, KV head h // 2) sees key j iff j <= i and
+    # j's block is selected by i's block
+    blocks = torch.arange(n) // 64
+    seen = flags[0][:, blocks][:, :, blocks] & torch.ones(n, n, dtype=torch.bool).tril()  # (2, n, n)
+    qd, kd, vd = (t.cpu().double() for t in (q, k, v))
+    kd, vd = kd.repeat_interleave(2, 1), vd.repeat_interleave(2, 1)
+    scores = (qd @ kd.transpose(-1, -2) * 0.25).masked_fill(~seen.repeat_interleave(2, 0), float("-inf"))
+    want = torch.softmax(scores, -1) @ vd
+    triton_calls, torch_calls = [], []
+    real_triton, real_torch = wl.work_lists_triton, bsa.work_lists
+    monkeypatch.setattr(wl, "work_lists_triton", lambda *a: triton_calls.append(a) or real_triton(*a))
+    monkeypatch.setattr(bsa, "work_lists", lambda *a: torch_calls.append(a) or real_torch(*a))
+    on = bsa.row_selection_attention(q, k, v, selection, seq, scale=0.25)
+    assert (len(triton_calls), len(torch_calls)) == (1, 0)
+    monkeypatch.setattr(bsa, "TRITON_WORK_LISTS", False)
+    off = bsa.row_selection_attention(q, k, v, selection, seq, scale=0.25)
+    assert (len(triton_calls), len(torch_calls)) == (1, 1)
+    for out in (on, off):
+        torch.testing.assert_close(out[0].cpu().double(), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(on[0], off[0], rtol=0, atol=0)
+    torch.testing.assert_close(on[1], off[1], rtol=0, atol=0)
 
 
 @pytest.mark.gpu

@@ -15,9 +15,11 @@ CUDA-event-timed calls against one dense causal cuDNN SDPA layer:
   ``gather call`` (``gathered_selection_attention``), with the key chunks each tile visits against
   the keys each row sees, in chunks (``chunk_ratio``: how much the tile union costs);
 * with ``--tiles BM,BN,WARPS,STAGES ...`` the kernel under those launch configurations;
-* with ``--triton-work-lists`` the plan and the call with the work lists built by the Triton
-  kernel of :mod:`elasticfw.kernels.work_lists` (``TRITON_WORK_LISTS``), and whether its lists
-  equal torch's;
+* with ``--triton-work-lists`` the ``plan``, ``kernel`` and ``call`` rows use torch's work lists
+  (:func:`~elasticfw.kernels.block_sparse_attention.work_lists`), and ``plan, triton lists`` and
+  ``call, triton lists`` rows time those built by the Triton kernel of
+  :mod:`elasticfw.kernels.work_lists` (``TRITON_WORK_LISTS``, the default), with whether its lists
+  equal torch's; without it every row uses the default builder;
 * with ``--options TMA,REVERSE[,GROUP] ...`` (each 0 or 1: ``USE_TMA``, ``REVERSE_TILES`` and
   ``GROUP_HEADS``, default 1, of the kernel module), the kernel under each option set and each
   tile configuration (the defaults and
@@ -129,6 +131,7 @@ def main() -> None:
                 continue
             selection = bsa.layout_selection(layout)
             assert selection is not None
+            bsa.TRITON_WORK_LISTS = not args.triton_work_lists  # the rows without "triton lists": the default
             plan = bsa.plan_work(selection, seq)
             # the key chunks the tiles visit, against those of the full causal layer: the kernel's time
             # at this layout should be about this share of its time at density 1 (``--options`` rows)

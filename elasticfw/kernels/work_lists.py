@@ -14,8 +14,12 @@ it reads the tile's flag rows once, ``CHUNKS`` chunks at a time, and writes each
 (a prefix sum within the step and a running offset). Output: the same four tensors, equal to the
 definition's (entries past a list's count are 0, as there).
 
-It is opt-in (:data:`elasticfw.kernels.block_sparse_attention.TRITON_WORK_LISTS`): its speed on a
-GPU has not been measured yet; it is tested against the definition under Triton's interpreter.
+:func:`~elasticfw.kernels.block_sparse_attention.plan_work` uses it while
+:data:`elasticfw.kernels.block_sparse_attention.TRITON_WORK_LISTS` is on (the default). On one H200
+at 128K (Llama-3.1-8B shape, structured inputs, 64-row tiles) it built XAttention's lists in 0.99 ms
+against torch's 10.0, NSA's in 0.31 against 3.0, MoBA's in 2.9 against 4.8 and streaming's in 0.15
+against 1.9, entry for entry the same (``results/bench/issue10-s10/variants/kernel_timing.json``).
+It is tested against the definition under Triton's interpreter and at 32K on a GPU.
 """
 
 from __future__ import annotations
