@@ -14,7 +14,8 @@ CUDA-event-timed calls against one dense causal cuDNN SDPA layer:
 * for a row selection without a window (per-token MoBA): ``gather plan`` (``gather_plan``) and
   ``gather call`` (``gathered_selection_attention``), with the key chunks each tile visits against
   the keys each row sees, in chunks (``chunk_ratio``: how much the tile union costs);
-* with ``--tiles BM,BN,WARPS,STAGES ...`` the kernel under those launch configurations;
+* with ``--tiles BM,BN,WARPS,STAGES ...`` the kernel under those launch configurations, and with
+  ``--gather-tiles ...`` the gathered call under those;
 * with ``--triton-work-lists`` the ``plan``, ``kernel`` and ``call`` rows use torch's work lists
   (:func:`~elasticfw.kernels.block_sparse_attention.work_lists`), and ``plan, triton lists`` and
   ``call, triton lists`` rows time those built by the Triton kernel of
@@ -103,6 +104,7 @@ def main() -> None:
     add_shape_arguments(p)
     p.add_argument("--modes", nargs="+", default=["xattention", "nsa", "moba", "streaming"])
     p.add_argument("--tiles", nargs="*", default=[], metavar="BM,BN,WARPS,STAGES")
+    p.add_argument("--gather-tiles", nargs="*", default=[], metavar="BM,BN,WARPS,STAGES")
     p.add_argument("--options", nargs="*", default=[], metavar="TMA,REVERSE[,GROUP]")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--triton-work-lists", action="store_true",
@@ -184,6 +186,10 @@ def main() -> None:
                     lambda s=selection: ga.gathered_selection_attention(q, k, v, s, seq, scale=scale), args.repeats)
                 calls.append((f"{name} gather",
                               lambda s=selection: ga.gathered_selection_attention(q, k, v, s, seq, scale=scale)))
+                for spec in args.gather_tiles:
+                    results[f"{name}: gather call, tiles {spec}"] = timed(
+                        lambda s=selection, t=_tiles(spec): ga.gathered_selection_attention(
+                            q, k, v, s, seq, scale=scale, tiles=t), args.repeats)
             if args.profile:
                 from torch.profiler import ProfilerActivity, profile
 

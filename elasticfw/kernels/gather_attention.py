@@ -21,7 +21,8 @@ chose it):
   (chunks wholly before the tile's first position unmasked, the rest masked by causality and
   ``kv_len``; the unmasked chunks through TMA as the block-sparse kernel's) with an online softmax
   in base 2, and merges the partial result into the rows'
-  float32 accumulators (normalised output and natural-log ``lse``) by log-sum-exp. Within one
+  float32 accumulators (normalised output and natural-log ``lse``) by log-sum-exp (the rank-0 pass,
+  which holds every row's first group, writes its partial without reading). Within one
   pass a row appears at most once, so the merge needs no atomics.
 
 The work is exactly the selected pairs (plus the masked part of each row's current group), at
@@ -144,7 +145,7 @@ def _gather_pass_kernel(
     stride_eb, stride_eh,
     tile0, q_len, num_q_heads, group_size, kv_group, sel_group, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, FIRST: tl.constexpr,
 ):
     t = tile0 + tl.program_id(0)
     h = tl.load(th_ptr + t) * sel_group + tl.program_id(1)  # the query head
@@ -203,18 +204,22 @@ def _gather_pass_kernel(
     part = acc / tl.where(seen, l_i, 1.0)[:, None]
     row_off = (b * num_q_heads + h).to(tl.int64) * q_len + i.to(tl.int64)
     upd = row_ok & seen
-    old_lse = tl.load(lse_ptr + row_off, mask=upd, other=float("-inf"))
-    new_lse = tl.maximum(old_lse, part_lse)
-    base = tl.where(new_lse == float("-inf"), 0.0, new_lse)
-    w_old = tl.exp(old_lse - base)
-    w_new = tl.exp(part_lse - base)
-    total = w_old + w_new
-    new_lse = base + tl.log(tl.where(total > 0, total, 1.0))
     acc_rows = acc_ptr + row_off[:, None] * HEAD_DIM + d[None, :]
-    old = tl.load(acc_rows, mask=upd[:, None] & d_ok[None, :], other=0.0)
-    merged = (old * w_old[:, None] + part * w_new[:, None]) / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(acc_rows, merged, mask=upd[:, None] & d_ok[None, :])
-    tl.store(lse_ptr + row_off, new_lse, mask=upd)
+    if FIRST:  # rank 0: no earlier partial (the accumulators hold 0 and -inf), the merge is the partial
+        tl.store(acc_rows, part, mask=upd[:, None] & d_ok[None, :])
+        tl.store(lse_ptr + row_off, part_lse, mask=upd)
+    else:
+        old_lse = tl.load(lse_ptr + row_off, mask=upd, other=float("-inf"))
+        new_lse = tl.maximum(old_lse, part_lse)
+        base = tl.where(new_lse == float("-inf"), 0.0, new_lse)
+        w_old = tl.exp(old_lse - base)
+        w_new = tl.exp(part_lse - base)
+        total = w_old + w_new
+        new_lse = base + tl.log(tl.where(total > 0, total, 1.0))
+        old = tl.load(acc_rows, mask=upd[:, None] & d_ok[None, :], other=0.0)
+        merged = (old * w_old[:, None] + part * w_new[:, None]) / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(acc_rows, merged, mask=upd[:, None] & d_ok[None, :])
+        tl.store(lse_ptr + row_off, new_lse, mask=upd)
 
 
 def gathered_selection_attention(
@@ -257,6 +262,6 @@ def gathered_selection_attention(
             lo, q_len, hq, selection.group_size, hq // k.shape[1], heads_per_table, scale * _LOG2E,
             HEAD_DIM=dim, D_PAD=max(16, next_pow2(dim)), BLOCK_M=tiles.block_m, BLOCK_N=block_n,
             IEEE=q.dtype == torch.float32, UPCAST=interpreting() and q.dtype != torch.float32, TMA=tma,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            FIRST=r == 0, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
     return acc.to(q.dtype), lse
