@@ -18,7 +18,10 @@ per call until the last one is enqueued, ``with_gpu_us`` until the GPU has finis
 
 ``--cprofile N`` also profiles ``N`` calls of ``decode_attention`` with cProfile (top functions by
 own time). On a CPU without a GPU the kernels run under ``TRITON_INTERPRET=1`` (slow: for a smoke
-run only, ``--tokens 256 --calls 2``). ``--json FILE`` writes the figures with the environment.
+run only, ``--tokens 256 --calls 2``). ``--no-launch`` replaces the decode kernel's two launches by
+no-ops, so that ``decode_attention`` and ``split attend_routed`` time the host code around the
+launches alone, on any machine (a CPU under the interpreter included; ``dense sdpa`` still computes).
+``--json FILE`` writes the figures with the environment.
 """
 
 from __future__ import annotations
@@ -67,6 +70,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     from elasticfw.kernels import decode_attention as decode_module
 
+    if args.no_launch:  # the kernels' launches do nothing: what remains is the host code around them
+        class _NoLaunch:
+            def __getitem__(self, grid: object) -> Callable[..., None]:
+                return lambda *a, **kw: None
+
+        decode_module._decode_split_kernel = _NoLaunch()  # type: ignore[assignment]
+        decode_module._merge_kernel = _NoLaunch()  # type: ignore[assignment]
     g = torch.Generator(device="cpu").manual_seed(0)
     q = torch.randn(1, HEADS, 1, HEAD_DIM, generator=g).to(device, dtype)
     k = torch.randn(1, KV_HEADS, args.tokens, HEAD_DIM, generator=g).to(device, dtype)
@@ -99,7 +109,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     report: dict[str, Any] = {
         "benchmark": "decode_host_timing", "environment": environment(device), "tokens": args.tokens,
-        "calls": args.calls, "us": {},
+        "calls": args.calls, "no_launch": args.no_launch, "us": {},
     }
     for name, fn in pieces.items():
         report["us"][name] = _timed(fn, args.calls, args.warmup, device)
@@ -125,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=300, help="timed calls per piece")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--cprofile", type=int, default=0, metavar="N", help="also cProfile N decode_attention calls")
+    p.add_argument("--no-launch", action="store_true",
+                   help="replace the decode kernel's two launches by no-ops: the host code alone (a CPU works)")
     p.add_argument("--json", type=Path, default=None, help="write the figures with the environment")
     args = p.parse_args(argv)
     if args.tokens < 1 or args.calls < 1 or args.warmup < 0:

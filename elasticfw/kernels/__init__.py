@@ -22,6 +22,7 @@ import torch
 from elasticfw.errors import BackendUnavailableError
 
 __all__ = [
+    "cdiv",
     "choose_backend",
     "interpreting",
     "next_pow2",
@@ -32,6 +33,12 @@ __all__ = [
 
 #: the dtypes every kernel here takes (16-bit products on tensor cores, float32 in IEEE float32)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ``b > 0``, in plain Python: host code of the kernels calls it per launch, where
+    ``triton.cdiv`` (a Triton function unwrapping its arguments) costs several microseconds a call."""
+    return -(-a // b)
 
 
 def next_pow2(x: int) -> int:

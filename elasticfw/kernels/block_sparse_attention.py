@@ -52,7 +52,7 @@ import triton.language as tl
 from elasticfw.attention.layout import BlockLayout, RowSelection, index_lists
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
-from elasticfw.kernels import interpreting, next_pow2, unsupported_tensor
+from elasticfw.kernels import cdiv, interpreting, next_pow2, unsupported_tensor
 
 __all__ = [
     "Tiles",
@@ -505,7 +505,7 @@ def _attend(
         return out, lse
     if plan is None:
         plan = plan_work(selection, seq, tiles)
-    elif plan.block_m != tiles.block_m or plan.clean_count.shape != (batch, sel.shape[1], triton.cdiv(q_len, plan.block_m)):
+    elif plan.block_m != tiles.block_m or plan.clean_count.shape != (batch, sel.shape[1], cdiv(q_len, plan.block_m)):
         raise ValueError(
             f"{caller}: the work plan is for {plan.block_m}-row tiles and counts of shape "
             f"{tuple(plan.clean_count.shape)}, not {tiles.block_m}-row tiles of this call"
@@ -513,7 +513,7 @@ def _attend(
     clean, n_clean, masked, n_masked, block_n = (plan.clean, plan.clean_count, plan.masked, plan.masked_count,
                                                  plan.block_n)
     sel_u8 = flag_table(sel, batch)
-    grid = (triton.cdiv(q_len, tiles.block_m), hq, batch)
+    grid = (cdiv(q_len, tiles.block_m), hq, batch)
     tma, k_desc, v_desc, k_rows, v_rows = kv_descriptors(k, v, block_n)
     _block_sparse_kernel[grid](
         q, k, v, sel_u8, clean, n_clean, masked, n_masked, keep, seq.q_start.contiguous(), seq.kv_len.contiguous(),

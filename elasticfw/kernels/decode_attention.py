@@ -40,7 +40,7 @@ import triton.language as tl
 from elasticfw.attention.layout import RowSelection
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
-from elasticfw.kernels import interpreting, next_pow2, unsupported_tensor
+from elasticfw.kernels import cdiv, interpreting, next_pow2, unsupported_tensor
 from elasticfw.kernels.block_sparse_attention import MAX_HEAD_DIM, attend_chunk, flag_table, load_rows
 
 __all__ = ["decode_attention", "num_splits", "unsupported"]
@@ -87,7 +87,7 @@ def num_splits(device: torch.device, programs_per_split: int, chunks: int) -> in
         target = 2 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
     else:
         target = 4 * programs_per_split
-    splits = max(triton.cdiv(target, max(programs_per_split, 1)), triton.cdiv(chunks, MAX_CHUNKS_PER_SPLIT))
+    splits = max(cdiv(target, max(programs_per_split, 1)), cdiv(chunks, MAX_CHUNKS_PER_SPLIT))
     return max(1, min(splits, chunks))
 
 
@@ -268,20 +268,20 @@ def decode_attention(
     use_b = _heads(second_heads, batch, hq, "second_heads", q.device, False)
     keep = _heads(keep_heads, batch, hq, "keep_heads", q.device, True)
     block_n = _chunk(selections)
-    chunks = triton.cdiv(seq.kv_capacity, block_n)
+    chunks = cdiv(seq.kv_capacity, block_n)
     if splits is None:
         splits = num_splits(q.device, batch * hkv, chunks)
     elif not 1 <= splits <= chunks:
         raise ValueError(f"decode_attention: splits must be in [1, {chunks}] (the key chunks), got {splits}")
-    per_split = triton.cdiv(chunks, splits)
+    per_split = cdiv(chunks, splits)
     if per_split > MAX_CHUNKS_PER_SPLIT:
         raise ValueError(f"decode_attention: {splits} splits leave {per_split} chunks per split, above "
                          f"{MAX_CHUNKS_PER_SPLIT}")
-    splits = triton.cdiv(chunks, per_split)
+    splits = cdiv(chunks, per_split)
     group = hq // hkv
-    acc = torch.empty(batch * hq * splits, dim, dtype=torch.float32, device=q.device)
-    m = torch.empty(batch * hq * splits, dtype=torch.float32, device=q.device)
-    lsum = torch.empty_like(m)
+    rows = batch * hq * splits  # the partial results, in one allocation (each costs host time)
+    work = torch.empty(rows * (dim + 2), dtype=torch.float32, device=q.device)
+    acc, m, lsum = work[: rows * dim].view(rows, dim), work[rows * dim : rows * (dim + 1)], work[rows * (dim + 1) :]
     b_sel = second if second is not None else selection
     q_start, kv_len = seq.q_start.contiguous(), seq.kv_len.contiguous()
     d_pad = max(16, next_pow2(dim))

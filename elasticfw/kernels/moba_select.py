@@ -60,7 +60,7 @@ import triton.language as tl
 
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
-from elasticfw.kernels import interpreting, next_pow2, unsupported_tensor
+from elasticfw.kernels import cdiv, interpreting, next_pow2, unsupported_tensor
 
 __all__ = ["moba_token_selection_triton", "unsupported"]
 
@@ -254,7 +254,7 @@ def moba_token_selection_triton(
         sub = min(next_pow2(block_size), rows)  # rows of each tile per step
         tiles = max(16 // sub, 1, min(rows // sub, next_pow2(t1 - t0)))  # tiles per program
         block_d = min(d_pad, max(16, MEANS_PER_CHUNK // n_pad), 64)
-        _moba_select_kernel[(triton.cdiv(t1 - t0, tiles), hq, batch)](
+        _moba_select_kernel[(cdiv(t1 - t0, tiles), hq, batch)](
             q, means, q_start, kv_len, selected, union, common,
             *q.stride(), *means.stride(), *selected.stride(), *union.stride(),
             q_len, t0, t1, nmb, hq // hkv, top_k, block_size, moba_block_size,

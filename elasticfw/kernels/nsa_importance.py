@@ -70,7 +70,7 @@ import triton.language as tl
 from elasticfw.attention.patterns import window_means
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
-from elasticfw.kernels import interpreting, next_pow2, shared_memory_budget, unsupported_tensor
+from elasticfw.kernels import cdiv, interpreting, next_pow2, shared_memory_budget, unsupported_tensor
 
 __all__ = ["nsa_block_importance_triton", "unsupported"]
 
@@ -469,8 +469,8 @@ def nsa_block_importance_triton(
         group, bs, kernel, stride, d_pad, q.element_size(), terms, block_m, block_n,
         shared_memory_budget(q.device, SMEM_BUDGET),
     )
-    head_chunks = triton.cdiv(group, hp)
-    row_tiles = triton.cdiv(nqb, rb)
+    head_chunks = cdiv(group, hp)
+    row_tiles = cdiv(nqb, rb)
     dev = q.device
     row_max = torch.empty(batch * hq, q_len, dtype=torch.float32, device=dev)
     row_sum = torch.empty(batch * hq, q_len, dtype=torch.float32, device=dev)

@@ -59,7 +59,7 @@ import triton.language as tl
 
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
-from elasticfw.kernels import interpreting, next_pow2, shared_memory_budget, unsupported_tensor
+from elasticfw.kernels import cdiv, interpreting, next_pow2, shared_memory_budget, unsupported_tensor
 
 __all__ = [
     "antidiagonal_mass_triton",
@@ -441,7 +441,7 @@ def iter_antidiagonal_mass_triton(
     bm, bn, stages = _tiles(q.element_size(), d_pad, group_pad, block_m, block_n, budget)
     rows_per_tile = bm // group_pad
     keys_per_tile = bn // group_pad
-    row_tiles = triton.cdiv(nqb, rows_per_tile)
+    row_tiles = cdiv(nqb, rows_per_tile)
     stat_stride = row_tiles * bm
     dev = q.device
     row_max = torch.empty(batch * hq, stat_stride if passes == 2 else 0, dtype=torch.float32, device=dev)
@@ -468,9 +468,9 @@ def iter_antidiagonal_mass_triton(
         t1 = min(nqb, t0 + rows_per_chunk)
         mass = torch.zeros(batch, hq, t1 - t0, nkb, dtype=torch.float32, device=dev)
         kb_end = max(1, min(nkb, first_max + t1))  # key blocks past it are never causal here
-        key_tiles = triton.cdiv(kb_end, keys_per_tile)
+        key_tiles = cdiv(kb_end, keys_per_tile)
         if passes == 1:
-            chunk_tiles = triton.cdiv(t1 - t0, rows_per_tile)
+            chunk_tiles = cdiv(t1 - t0, rows_per_tile)
             part_rows = chunk_tiles * bm
             part = torch.empty(batch * hq, part_rows, key_tiles * keys_per_tile, dtype=torch.float32, device=dev)
             tmax = torch.empty(batch * hq, part_rows, key_tiles, dtype=torch.float32, device=dev)
@@ -482,7 +482,7 @@ def iter_antidiagonal_mass_triton(
             )
             yield t0, t1, mass
             continue
-        grid = (triton.cdiv(t1 - t0, rows_per_tile) * key_tiles, hq, batch)
+        grid = (cdiv(t1 - t0, rows_per_tile) * key_tiles, hq, batch)
         _mass_kernel[grid](
             q, k, q_start, kv_len, row_max, row_sum, mass,
             *q.stride(), *k.stride(), *mass.stride(),

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from elasticfw.errors import BackendUnavailableError
-from elasticfw.kernels import next_pow2, triton_unavailable
+from elasticfw.kernels import cdiv, next_pow2, triton_unavailable
 
 __all__ = ["select_blocks_triton"]
 
@@ -142,7 +142,7 @@ def select_blocks_triton(
         return out
     n_pad = max(16, next_pow2(width))
     rows_per_program = max(1, min(MAX_ROWS, ELEMENTS_PER_PROGRAM // n_pad))
-    grid = (triton.cdiv(rows, rows_per_program), heads, batch)
+    grid = (cdiv(rows, rows_per_program), heads, batch)
     _select_bisect_kernel[grid](
         mass, row_block, out, *mass.stride(), *row_block.stride(), *out.stride(), rows, width, float(threshold),
         ROWS=rows_per_program, N_PAD=n_pad, STEPS=BISECT_STEPS, num_warps=NUM_WARPS,
