@@ -287,3 +287,37 @@ def test_decode_host_timing_tool_writes_its_figures(tmp_path):
     assert report["environment"]["device"] == "cpu" and report["tokens"] == 64
     with pytest.raises(SystemExit):
         tool.main(["--device", "cpu", "--calls", "0"])
+    with pytest.raises(SystemExit):
+        tool.main(["--device", "cpu", "--blocks", "0"])
+
+
+@pytest.mark.skipif(split_module.triton_unavailable(torch.device("cpu")) is not None,
+                    reason="needs Triton's interpreter")
+def test_decode_host_timing_no_launch_times_the_host_code_and_restores_the_kernels(tmp_path, monkeypatch):
+    """``--no-launch`` runs every piece with the decode kernel's two launches replaced by no-ops (none
+    of them reaches the real kernels), reports blocks' median and fastest host times, and puts the
+    real kernels back afterwards, also when a piece raises."""
+    import importlib.util
+
+    from elasticfw.kernels import decode_attention as da
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "decode_host_timing.py"
+    spec = importlib.util.spec_from_file_location("decode_host_timing", path)
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    real = da._decode_split_kernel, da._merge_kernel
+    out = tmp_path / "host.json"
+    launched = []
+    monkeypatch.setattr(type(real[0]), "run", lambda self, *a, **kw: launched.append(self))
+    args = ["--device", "cpu", "--tokens", "64", "--calls", "2", "--blocks", "3", "--warmup", "0", "--no-launch"]
+    assert tool.main([*args, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["no_launch"] is True and launched == []
+    for row in report["us"].values():
+        assert 0 < row["host_us_min"] <= row["host_us"] <= row["with_gpu_us"]
+    assert (da._decode_split_kernel, da._merge_kernel) == real
+    monkeypatch.setattr(tool, "_run", lambda *a: (_ for _ in ()).throw(RuntimeError("piece failed")))
+    with pytest.raises(RuntimeError, match="piece failed"):
+        tool.main(args)
+    assert (da._decode_split_kernel, da._merge_kernel) == real

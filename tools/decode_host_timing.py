@@ -6,7 +6,8 @@
 At the Llama-3.1-8B attention shape (Hq 32 / Hkv 8, d 128, bf16, one query row over ``--tokens``
 keys, FA-SSA with sink 128 / window 2,048 at MSR 0.875: the first KV head full), each piece runs
 ``--calls`` times back to back without synchronising, after a warm-up: ``host_us`` is the wall time
-per call until the last one is enqueued, ``with_gpu_us`` until the GPU has finished too. When
+per call until the last one is enqueued, ``with_gpu_us`` until the GPU has finished too (with
+``--blocks N``, of the median of N such blocks, and ``host_us_min`` of the fastest). When
 ``host_us`` is above the GPU time a decode step of such layers is bound by the host:
 
 * ``dense sdpa`` — one dense decode SDPA call over every key (GQA), what a layer of the dense
@@ -48,7 +49,10 @@ from elasticfw.registry import get_registry
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
-def _timed(fn: Callable[[], object], calls: int, warmup: int, device: torch.device) -> dict[str, float]:
+def _timed(fn: Callable[[], object], calls: int, warmup: int, device: torch.device, blocks: int = 1) -> dict[str, float]:
+    """Per call, over ``blocks`` blocks of ``calls`` calls: the median block's host and host + GPU
+    times, and the fastest block's host time (``host_us_min``, the least disturbed by other work)."""
+
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -56,27 +60,43 @@ def _timed(fn: Callable[[], object], calls: int, warmup: int, device: torch.devi
     for _ in range(warmup):
         fn()
     sync()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = time.perf_counter() - start
-    sync()
-    total = time.perf_counter() - start
-    return {"host_us": 1e6 * host / calls, "with_gpu_us": 1e6 * total / calls}
+    hosts, totals = [], []
+    for _ in range(blocks):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        hosts.append(time.perf_counter() - start)
+        sync()
+        totals.append(time.perf_counter() - start)
+    median = sorted(range(blocks), key=lambda i: hosts[i])[blocks // 2]
+    return {"host_us": 1e6 * hosts[median] / calls, "with_gpu_us": 1e6 * totals[median] / calls,
+            "host_us_min": 1e6 * min(hosts) / calls}
+
+
+class _NoLaunch:
+    """Stands for a Triton kernel whose launch (``kernel[grid](...)``) does nothing."""
+
+    def __getitem__(self, grid: object) -> Callable[..., None]:
+        return lambda *a, **kw: None
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     from elasticfw.kernels import decode_attention as decode_module
 
-    if args.no_launch:  # the kernels' launches do nothing: what remains is the host code around them
-        class _NoLaunch:
-            def __getitem__(self, grid: object) -> Callable[..., None]:
-                return lambda *a, **kw: None
+    if not args.no_launch:
+        return _run(args, decode_module)
+    # the kernels' launches do nothing while the pieces run: what remains is the host code around them
+    kernels = decode_module._decode_split_kernel, decode_module._merge_kernel
+    decode_module._decode_split_kernel = decode_module._merge_kernel = _NoLaunch()  # type: ignore[assignment]
+    try:
+        return _run(args, decode_module)
+    finally:
+        decode_module._decode_split_kernel, decode_module._merge_kernel = kernels
 
-        decode_module._decode_split_kernel = _NoLaunch()  # type: ignore[assignment]
-        decode_module._merge_kernel = _NoLaunch()  # type: ignore[assignment]
+
+def _run(args: argparse.Namespace, decode_module: Any) -> dict[str, Any]:
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device="cpu").manual_seed(0)
     q = torch.randn(1, HEADS, 1, HEAD_DIM, generator=g).to(device, dtype)
     k = torch.randn(1, KV_HEADS, args.tokens, HEAD_DIM, generator=g).to(device, dtype)
@@ -112,9 +132,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "calls": args.calls, "no_launch": args.no_launch, "us": {},
     }
     for name, fn in pieces.items():
-        report["us"][name] = _timed(fn, args.calls, args.warmup, device)
+        report["us"][name] = _timed(fn, args.calls, args.warmup, device, args.blocks)
         row = report["us"][name]
-        print(f"{name:24s} host {row['host_us']:9.1f} us   with the GPU {row['with_gpu_us']:9.1f} us", flush=True)
+        print(f"{name:24s} host {row['host_us']:9.1f} us (fastest block {row['host_us_min']:9.1f})   "
+              f"with the GPU {row['with_gpu_us']:9.1f} us", flush=True)
     if args.cprofile:
         profiler = cProfile.Profile()
         profiler.enable()
@@ -134,13 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=32768, help="keys in the cache (default 32768)")
     p.add_argument("--calls", type=int, default=300, help="timed calls per piece")
     p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--blocks", type=int, default=1, help="blocks of --calls calls per piece (median and fastest)")
     p.add_argument("--cprofile", type=int, default=0, metavar="N", help="also cProfile N decode_attention calls")
     p.add_argument("--no-launch", action="store_true",
                    help="replace the decode kernel's two launches by no-ops: the host code alone (a CPU works)")
     p.add_argument("--json", type=Path, default=None, help="write the figures with the environment")
     args = p.parse_args(argv)
-    if args.tokens < 1 or args.calls < 1 or args.warmup < 0:
-        p.error("--tokens and --calls must be >= 1, --warmup >= 0")
+    if args.tokens < 1 or args.calls < 1 or args.blocks < 1 or args.warmup < 0:
+        p.error("--tokens, --calls and --blocks must be >= 1, --warmup >= 0")
     report = run(args)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,8 @@ and values head ``h // (Hq / Hkv)`` (GQA without copying K/V). That covers:
   token mask (XAttention, MoBA per query block, block streaming, full), as the selection
   ``(blocks, block_size, row_block=block_size)``.
 
-* **Work lists** (torch, :func:`work_lists`). Per (sample, table head, tile of ``BLOCK_M`` query
+* **Work lists** (:func:`work_lists`, the definition in torch; built by one Triton launch,
+  :mod:`elasticfw.kernels.work_lists`, while :data:`TRITON_WORK_LISTS` is on, the default). Per (sample, table head, tile of ``BLOCK_M`` query
   rows), the key chunks of ``BLOCK_N`` keys the tile must visit, in two lists: *clean* chunks,
   which every row of the tile sees whole (selected by every row or inside every row's window,
   wholly at or before the tile's first position and below ``kv_len``: no mask at all), and
@@ -36,8 +37,8 @@ and values head ``h // (Hq / Hkv)`` (GQA without copying K/V). That covers:
 Forward only (no autograd): the flex executor uses it for inference calls with ``sparse_kernel``
 ``triton`` (or ``auto`` on CUDA), FlexAttention otherwise. Memory beyond the inputs and the
 outputs: the two lists, ``2 * 4 * B * H * (Sq / BLOCK_M) * (Sk / BLOCK_N)`` bytes (at 128K tokens
-for 32 table heads and 128-row tiles, 0.27 GB with 128-key chunks, 0.54 GB with 64-key ones), and
-their construction's boolean temporaries.
+for 32 table heads and 128-row tiles, 0.27 GB with 128-key chunks, 0.54 GB with 64-key ones), and,
+with the torch builder, its boolean temporaries.
 """
 
 from __future__ import annotations
