@@ -23,6 +23,7 @@ import elasticfw.kernels as kernels_module
 
 pytest.importorskip("triton")
 
+from elasticfw.attention.patterns import window_means
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
 from elasticfw.kernels import triton_unavailable
@@ -55,8 +56,12 @@ def _reference(q, k, seq, bs, kernel, stride, scale=None):
 # -- brute force ---------------------------------------------------------------------------------
 
 
-def _brute(q, k, seq, bs, kernel, stride, scale=None):
-    """(B, Hkv, NQB, NKB) float64 from the definition, one query row at a time."""
+def _brute(q, k, seq, bs, kernel, stride, scale=None, keys_dtype=None):
+    """(B, Hkv, NQB, NKB) float64 from the definition, one query row at a time. ``keys_dtype``: the
+    compressed keys are the float32 window means rounded to it (``score_keys: input``)."""
+    rounded = None
+    if keys_dtype is not None:  # the means as float32 computes them, then as keys_dtype holds them
+        rounded = window_means(k.float().cpu(), kernel, stride).to(keys_dtype).double()
     q, k = q.double().cpu(), k.double().cpu()
     batch, hq, q_len, dim = q.shape
     hkv = k.shape[1]
@@ -71,6 +76,8 @@ def _brute(q, k, seq, bs, kernel, stride, scale=None):
         if not windows:
             continue
         comp = torch.stack([k[b, :, m * stride : m * stride + kernel].mean(1) for m in windows], 1)  # (Hkv, M, D)
+        if rounded is not None:
+            comp = rounded[b, :, : len(windows)]
         # weight[m, n]: tokens window m shares with block n, over the stride
         weight = torch.zeros(len(windows), nkb, dtype=torch.float64)
         for m in windows:
@@ -177,6 +184,30 @@ def test_split_terms(split, rtol):
     q, k = _inputs(seq, 2, 1, 32, torch.bfloat16, seed=2)
     got = _triton(q, k, seq, 16, 8, 4, split=split)
     torch.testing.assert_close(got, _reference(q, k, seq, 16, 8, 4), rtol=rtol, atol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_score_keys_input_rounds_the_compressed_keys(dtype):
+    """``score_keys: input``: both scorers score the window means rounded to the inputs' dtype, as a
+    float64 brute force over those rounded means does (hard tolerance). For 16-bit inputs that moves
+    the importances away from the float32 means' (by about 1e-3 here); float32 inputs score the same
+    either way."""
+    seq = _seq([0, 9], [180, 140], 171, 180)
+    bs, kernel, stride = 32, 16, 8
+    q, k = _inputs(seq, 4, 2, 32, dtype, seed=4)
+    cfg = {"score_keys": "input"}
+    by_triton = _mode(bs, kernel, stride, "triton", **cfg).block_importance(q, k, seq)
+    by_torch = _mode(bs, kernel, stride, "torch", **cfg).block_importance(q, k, seq)
+    torch.testing.assert_close(by_triton, by_torch, rtol=1e-5, atol=1e-5)
+    brute = _brute(q, k, seq, bs, kernel, stride, keys_dtype=dtype)
+    torch.testing.assert_close(by_torch.cpu().double(), brute, rtol=1e-5, atol=1e-5)
+    exact = _reference(q, k, seq, bs, kernel, stride)  # score_keys: float32
+    if dtype == torch.float32:
+        torch.testing.assert_close(by_torch, exact, rtol=0, atol=0)
+        torch.testing.assert_close(by_triton, _triton(q, k, seq, bs, kernel, stride), rtol=0, atol=0)
+    else:
+        moved = ((by_torch - exact).abs() / exact.abs().clamp_min(1e-3)).max().item()
+        assert 1e-5 < moved < 5e-2
 
 
 def test_strided_inputs_are_read_in_place():

@@ -17,7 +17,8 @@ The backbone is frozen, so nothing here is learned. Precisely:
   own key may be the window's last one; the rule of fla's ``NC = (i + 1) // BS`` and XunhaoLai's
   ``q >= m*stride + kernel - 1``). Windows past a sample's ``kv_len`` are never valid.
 * **Importance.** Per query token and query head: ``softmax_m(scale * q . c_m)`` over the valid
-  compressed keys, in float32, ``scale`` the call's attention scale (``head_dim ** -0.5`` when none is given); a
+  compressed keys, in float32 (``score_keys: input``: ``c_m`` first rounded to the inputs' dtype,
+  what a 16-bit model's compression would hold), ``scale`` the call's attention scale (``head_dim ** -0.5`` when none is given); a
   row with no valid key contributes zeros. Window ``m`` gives each selection block ``n`` its
   probability times ``overlap(m, n) / stride`` where ``overlap`` counts the tokens the window
   shares with ``[n*bs, (n+1)*bs)`` — Eq. 9's double sum over stride-sized sub-chunks, aligned as
@@ -142,6 +143,14 @@ class NSAConfig(ModeConfig):
         ge=1,
         description="Query rows scored at once (bounds memory at chunk x S/stride scores per head).",
     )
+    score_keys: Literal["float32", "input"] = Field(
+        "float32",
+        description="Precision of the compressed keys the importance scores use (both scorers): `float32`, the "
+        "float32 window means (the Triton scorer reads them as two 16-bit terms, about 2^-18 relative); `input`, "
+        "the means rounded to the inputs' dtype, as a model computing in bfloat16 / float16 scores them (NSA's "
+        "kernels), one tensor-core term for the Triton scorer: about a quarter less planning time for 16-bit "
+        "inputs, importances that move by about 1e-3. Float32 inputs score the same either way.",
+    )
     scorer: Literal["auto", "torch", "triton"] = Field(
         "auto",
         description="Importance backend of `query_granularity: block`: `auto` runs the fused Triton kernels on "
@@ -238,6 +247,8 @@ class NSAAttention(AttentionMode):
         group = hq // hkv
         nkb = seq.num_key_blocks(bs)
         ck = compress_mean(k, kernel, stride)  # (B, Hkv, M, D)
+        if cfg.score_keys == "input":  # the means as the inputs' dtype holds them (exact again in float32)
+            ck = ck.to(k.dtype).float()
         num_windows = ck.shape[2]
         per_kernel = kernel // stride
         chunks = nkb * (bs // stride)  # stride-sized sub-chunks of the key blocks
@@ -293,7 +304,7 @@ class NSAAttention(AttentionMode):
 
             return nsa_block_importance_triton(
                 q, k, seq, block_size=cfg.block_size, kernel=cfg.compress_kernel, stride=cfg.compress_stride,
-                scale=scale,
+                scale=scale, split=1 if cfg.score_keys == "input" else None,
             )
         bs = cfg.block_size
         batch, hkv = q.shape[0], k.shape[1]
