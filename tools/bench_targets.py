@@ -36,8 +36,10 @@ Before them ``--steps gpu-tests`` runs the GPU tests of the kernels (``pytest -m
 6. ``variants/`` (only with ``--steps variants``; ``targets`` does not read it): the 128K layer of
    MoBA with ``query_granularity: block`` and NSA with ``token``, and MoBA's and NSA's 64-token
    layouts (their defaults) on 64 x 64 FlexAttention tiles (``--flex-set``) instead of coarsened
-   to 128, each through FlexAttention (``sparse_kernel=flex``); and per-token MoBA through the
-   Triton block-sparse kernel with 64-row tiles (``sparse_kernel_tiles``).
+   to 128, each through FlexAttention (``sparse_kernel=flex``); per-token MoBA through the
+   Triton block-sparse kernel with 64-row tiles (``sparse_kernel_tiles``); and NSA with
+   ``score_keys: input`` (one 16-bit term of the compressed keys) through ``split``, its planning
+   beside the default's.
 
 7. ``variants/kernel_timing.json`` (only with ``--steps kernels``): ``tools/sparse_kernel_timing.py
    --profile --triton-work-lists``, per mode the Triton kernels' work lists (torch, and the
@@ -135,6 +137,8 @@ def gpu(args: argparse.Namespace) -> int:
          "kernel_options={BLOCK_M: 64, BLOCK_N: 64}", "--out", str(out / "variants" / "tiles64_128k.json")],
         [*variant, "--executors", "flex", "--modes", "moba", "--flex-set", "sparse_kernel_tiles=[64,128,4,3]",
          "--out", str(out / "variants" / "moba_triton_tiles64_128k.json")],
+        [*base, "--check-seq", "4096", "--executors", "split", "--modes", "nsa", "--set", "nsa.score_keys=input",
+         "--out", str(out / "variants" / "nsa_score_keys_input_128k.json")],
     ]
     codes = []
     for name in args.steps:
