@@ -37,8 +37,10 @@ and values head ``h // (Hq / Hkv)`` (GQA without copying K/V). That covers:
 Forward only (no autograd): the flex executor uses it for inference calls with ``sparse_kernel``
 ``triton`` (or ``auto`` on CUDA), FlexAttention otherwise. Memory beyond the inputs and the
 outputs: the two lists, ``2 * 4 * B * H * (Sq / BLOCK_M) * (Sk / BLOCK_N)`` bytes (at 128K tokens
-for 32 table heads and 128-row tiles, 0.27 GB with 128-key chunks, 0.54 GB with 64-key ones), and,
-with the torch builder, its boolean temporaries.
+for 32 table heads and 128-row tiles, 0.27 GB with 128-key chunks, 0.54 GB with 64-key ones; 1.07 GB
+with the 64-row tiles of 64-token layouts), and, with the torch builder, its boolean temporaries.
+The lists are dense in (tiles, chunks), so they grow with the square of the sequence: about 69 GB
+at 1M tokens for 64-token layouts of 32 heads.
 """
 
 from __future__ import annotations
