@@ -55,8 +55,8 @@ compare`` on the embedded SmolLM2-135M, passkey at 1,440 tokens, 20 samples, bat
 full attention vs every head streaming with sink 64 / local 256), ``--executor`` (default
 ``split``, the old file used ``sdpa``), into ``demo_cpu.json``: ``--rounds`` (default 2) runs of
 each variant, the first variant alternating between rounds, seconds summed over the rounds (each
-round's in ``round_seconds``; one run of each on the 2-core machine varied by up to 6% between
-sessions, about the size of the difference measured). ``targets`` reads every JSON under
+round's in ``round_seconds``: on the 2-core machine one run of each gave ratios from 0.94 to 1.06
+in three runs of unchanged CPU code, more than the difference measured). ``targets`` reads every JSON under
 ``--out`` (:func:`elasticfw.bench.targets.build_targets`) and writes ``targets.json``: copy a
 ``demo_cpu.json`` measured on the CPU machine into the folder first.
 """
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--name", default="demo_cpu.json")
     d.add_argument("--executor", default="split")
     d.add_argument("--samples", type=int, default=20)
-    d.add_argument("--rounds", type=int, default=2,
+    d.add_argument("--rounds", type=int, default=2, choices=range(1, 101), metavar="N (1-100)",
                    help="runs of each variant, alternating which goes first; seconds are summed over them")
     d.set_defaults(func=demo_cpu)
     t = sub.add_parser("targets", help="targets.json from the JSONs under --out")
