@@ -87,6 +87,13 @@ DEMO = {
 VARIANTS = {"full": {"name": "fixed", "assign": "all_retrieval"}, "all-streaming": {"name": "fixed", "assign": "all_sparse"}}
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _run(cmd: list[str], log: list[dict[str, Any]]) -> int:
     print("[bench-targets] $ " + " ".join(cmd), flush=True)
     start = time.perf_counter()
@@ -238,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--name", default="demo_cpu.json")
     d.add_argument("--executor", default="split")
     d.add_argument("--samples", type=int, default=20)
-    d.add_argument("--rounds", type=int, default=2, choices=range(1, 101), metavar="N (1-100)",
+    d.add_argument("--rounds", type=_positive, default=2,
                    help="runs of each variant, alternating which goes first; seconds are summed over them")
     d.set_defaults(func=demo_cpu)
     t = sub.add_parser("targets", help="targets.json from the JSONs under --out")
