@@ -110,7 +110,7 @@ def gpu(args: argparse.Namespace) -> int:
     log: list[dict[str, Any]] = []
     layers = str(args.layers)
     models = ["llama-3.1-8b", "qwen3-8b"] if args.with_qwen else ["llama-3.1-8b"]
-    steps = {
+    steps: dict[str, list[str]] = {
         "attention": [py, "-m", "elasticfw.bench.attention", "--seq", "131072", "--executors", "flex", "split", "--no-backward",
          "--check-seq", "4096", "--warmup-ms", "50", "--rep-ms", "300", "--overwrite",
          "--out", str(out / "attention_128k.json")],
@@ -137,7 +137,7 @@ def gpu(args: argparse.Namespace) -> int:
             "--no-hybrid", "--warmup-ms", "50", "--rep-ms", "300", "--overwrite"]
     variant = [*base, "--check-seq", "0"]
     flex = ["--flex-set", "sparse_kernel=flex"]
-    steps["variants"] = [
+    variants = [
         [*variant, *flex, "--modes", "moba", "nsa", "--set", "moba.query_granularity=block", "--set",
          "nsa.query_granularity=token", "--out", str(out / "variants" / "granularity_128k.json")],
         [*variant, *flex, "--modes", "moba", "nsa", "--flex-set", "kernel_block_size=64", "--flex-set",
@@ -149,7 +149,7 @@ def gpu(args: argparse.Namespace) -> int:
     ]
     codes = []
     for name in args.steps:
-        commands = steps[name] if name == "variants" else [steps[name]]
+        commands = variants if name == "variants" else [steps[name]]
         codes += [_run(cmd, log) for cmd in commands]
     log_path = out / "commands.log.json"
     previous = json.loads(log_path.read_text()) if log_path.exists() else []
