@@ -121,6 +121,7 @@ def main() -> None:
     results: dict[str, float] = {}
     notes: dict[str, float] = {}
     profiles = []
+    default_lists = bsa.TRITON_WORK_LISTS  # the module default (the Triton builder)
     with torch.no_grad():
         results["dense cuDNN SDPA layer"] = timed(dense, args.repeats)
         if args.options:
@@ -133,7 +134,8 @@ def main() -> None:
                 continue
             selection = bsa.layout_selection(layout)
             assert selection is not None
-            bsa.TRITON_WORK_LISTS = not args.triton_work_lists  # the rows without "triton lists": the default
+            # the plan / kernel / call rows: torch's lists when comparing builders, else the default builder
+            bsa.TRITON_WORK_LISTS = default_lists and not args.triton_work_lists
             plan = bsa.plan_work(selection, seq)
             # the key chunks the tiles visit, against those of the full causal layer: the kernel's time
             # at this layout should be about this share of its time at density 1 (``--options`` rows)
