@@ -521,3 +521,62 @@ def test_64_token_layouts_run_64_row_tiles_and_match_the_definition(monkeypatch)
         got = FlexExecutor(FlexConfig(sparse_kernel="triton")).attend(q, k, v, layout, seq, scale=0.25)
     assert seen == [bsa.SMALL_TILES]
     torch.testing.assert_close(got.out.double(), ref_out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("triton_lists", [True, False])
+def test_compact_work_lists_attend_as_the_definition(triton_lists, monkeypatch):
+    """The compact work plan (one flat list, a start offset per tile; plan_work(compact=True)) from
+    either builder: the kernel over it meets the float64 definition for two samples with different
+    starts and lengths, GQA over a selection per query head, a sliding window, per-token rows,
+    heads left out; the plan holds fewer entries than the dense lists. A kernel that read the flat
+    list with the dense strides, or a tile's masked chunks from its start instead of after its clean
+    ones, gives other keys."""
+    from elasticfw.kernels import block_sparse_attention as bsa
+
+    monkeypatch.setattr(bsa, "TRITON_WORK_LISTS", triton_lists)
+    seq = _seq([0, 30], [150, 140], 110, 150)
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 4, 110, 16, generator=g)
+    k, v = (torch.randn(2, 2, 150, 16, generator=g) for _ in range(2))
+    selected = torch.rand(2, 4, 110, 5, generator=g) < 0.4
+    selected[..., 0] = True  # every row selects the first group: clean chunks for the later tiles
+    selection = RowSelection(selected, 32, row_block=1, window=24)
+    tiles = bsa.Tiles(block_m=32, block_n=16, num_warps=4, num_stages=2)
+    plan = bsa.plan_work(selection, seq, tiles, compact=True)
+    dense = bsa.work_lists(selection, seq, 32, 16)
+    assert plan.start is not None and plan.masked is plan.clean and plan.clean.dim() == 1
+    assert plan.clean.numel() == int(dense[1].sum() + dense[3].sum()) < dense[0].numel()
+    assert int(dense[1].sum()) > 0 and int(dense[3].sum()) > 0  # both loops read the flat list
+    keep = torch.tensor([[True, True, False, True], [True, False, True, True]])
+    out, lse = bsa.row_selection_attention(q, k, v, selection, seq, scale=0.25, keep_heads=keep, tiles=tiles,
+                                           plan=plan)
+    ref_out, ref_lse = _brute(q, k, v, selected, 32, seq, 0.25, row_block=1, window=24)
+    for b in range(2):
+        kept = keep[b].nonzero().flatten()
+        torch.testing.assert_close(out[b, kept].double(), ref_out[b, kept], rtol=1e-5, atol=1e-5)
+        finite = torch.isfinite(ref_lse[b, kept])
+        torch.testing.assert_close(lse[b, kept].double()[finite], ref_lse[b, kept][finite], rtol=1e-5, atol=1e-4)
+        assert (out[b, ~keep[b]] == 0).all() and torch.isinf(lse[b, ~keep[b]]).all()
+
+
+def test_plan_work_goes_compact_above_the_threshold(monkeypatch):
+    """``compact=None`` takes the compact form exactly when the dense lists would pass
+    ``COMPACT_LISTS_ABOVE`` bytes (2 * 4 * B * H * tiles * chunks, counted here by hand), and a
+    malformed compact plan is refused by name."""
+    from elasticfw.kernels import block_sparse_attention as bsa
+
+    seq = SeqInfo.dense(1, 96, 96)
+    selection = RowSelection(torch.ones(1, 2, 3, 3, dtype=torch.bool), 32, row_block=32)
+    tiles = bsa.Tiles(block_m=32, block_n=32, num_warps=4, num_stages=2)
+    assert bsa.dense_list_bytes(selection, seq, 32, 32) == 2 * 4 * 1 * 2 * 3 * 3
+    assert bsa.COMPACT_LISTS_ABOVE == 2 * 2**30
+    assert bsa.plan_work(selection, seq, tiles).start is None
+    monkeypatch.setattr(bsa, "COMPACT_LISTS_ABOVE", 144)
+    assert bsa.plan_work(selection, seq, tiles).start is None  # 144 bytes is not above 144
+    monkeypatch.setattr(bsa, "COMPACT_LISTS_ABOVE", 143)
+    plan = bsa.plan_work(selection, seq, tiles)
+    assert plan.start is not None and plan.start.tolist() == [[[0, 1, 3], [0 + 6, 7, 9]]]
+    q = k = v = torch.randn(1, 2, 96, 16)
+    bad = bsa.WorkPlan(plan.clean, plan.clean_count, plan.clean.clone(), plan.masked_count, 32, 32, plan.start)
+    with pytest.raises(ValueError, match="compact work plan"):
+        bsa.row_selection_attention(q, k, v, selection, seq, scale=0.25, tiles=tiles, plan=bad)

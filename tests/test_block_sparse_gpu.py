@@ -46,6 +46,19 @@ def test_gpu_32k_block_layouts_match_flexattention(mode):
     assert unsupported_layout(layout) is None
 
 
+@pytest.mark.parametrize("mode", ["xattention", "nsa"])
+def test_gpu_32k_compact_work_lists_match_flexattention(mode, monkeypatch):
+    """The compact work lists (every plan compact: the threshold at 0) through the flex executor."""
+    from elasticfw.kernels import block_sparse_attention as bsa
+
+    plans = []
+    real = bsa.plan_work
+    monkeypatch.setattr(bsa, "COMPACT_LISTS_ABOVE", 0)
+    monkeypatch.setattr(bsa, "plan_work", lambda *a, **kw: plans.append(real(*a, **kw)) or plans[-1])
+    _compare(mode, {}, 32768)
+    assert plans and all(p.start is not None for p in plans)
+
+
 def test_gpu_unaligned_chunk_and_padding():
     """A chunked prefill whose rows start off the block grid, and a padded sample."""
     from elasticfw.testing.modes import make_mode

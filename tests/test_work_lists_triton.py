@@ -3,10 +3,12 @@
 interpreter (on CUDA where there is one, and at 32K with the ``gpu`` mark): the four lists
 equal, entry for entry, over tiles that cover one or several layout
 rows or part of one, query starts off the tile grid, padded keys, decode rows, windows, tables
-shared by the batch, narrower or wider than the keys, and groups read in several chunks."""
+shared by the batch, narrower or wider than the keys, and groups read in several chunks; the same
+for the compact form (one flat list and a start offset per tile)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -61,9 +63,40 @@ def test_triton_work_lists_equal_the_definition(name):
     assert int(want[1].sum()) + int(want[3].sum()) > 0
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_compact_lists_hold_each_tiles_lists(name):
+    """The compact form (one flat list, tile after tile, clean then masked, from a start offset) built
+    by the two-launch Triton builder equals :func:`compact_lists` of the definition's dense lists,
+    and both hold each tile's lists, read here tile by tile from the dense ones."""
+    from elasticfw.kernels.block_sparse_attention import work_lists
+    from elasticfw.kernels.work_lists import compact_lists, work_lists_triton_compact
+
+    make, table_batch, heads, row_block, group, window, extra, block_m, block_n, density = CASES[name]
+    seq = make()
+    groups = math.ceil(seq.kv_capacity / group) + extra
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    selected = (torch.rand(table_batch, heads, seq.num_query_blocks(row_block), groups, generator=g) < density).to(DEV)
+    seq = SeqInfo(seq.q_start.to(DEV), seq.kv_len.to(DEV), seq.q_len, seq.kv_capacity)
+    selection = RowSelection(selected, group, row_block=row_block, window=window)
+    clean, n_clean, masked, n_masked = work_lists(selection, seq, block_m, block_n)
+    flat, start = compact_lists(clean, n_clean, masked, n_masked)
+    got = work_lists_triton_compact(selection, seq, block_m, block_n)
+    for label, a, b in zip(("flat", "clean_count", "masked_count", "start"), got, (flat, n_clean, n_masked, start)):
+        assert a.dtype == b.dtype and torch.equal(a, b), label
+    offset = 0
+    for b, h, t in itertools.product(*map(range, n_clean.shape)):
+        nc, nm = int(n_clean[b, h, t]), int(n_masked[b, h, t])
+        assert int(start[b, h, t]) == offset
+        assert flat[offset:offset + nc].tolist() == clean[b, h, t, :nc].tolist()
+        assert flat[offset + nc:offset + nc + nm].tolist() == masked[b, h, t, :nm].tolist()
+        offset += nc + nm
+    assert flat.numel() == offset > 0
+
+
 def test_triton_work_lists_by_hand():
-    """The definition's hand-checked case: 4-row tiles, 2-key chunks, one 4-key block per row."""
-    from elasticfw.kernels.work_lists import work_lists_triton
+    """The definition's hand-checked case: 4-row tiles, 2-key chunks, one 4-key block per row; and its
+    compact form."""
+    from elasticfw.kernels.work_lists import work_lists_triton, work_lists_triton_compact
 
     seq = SeqInfo.dense(1, 12, 12, device=DEV)
     blocks = torch.tensor([[[[1, 0, 0], [1, 1, 0], [0, 1, 1]]]], dtype=torch.bool, device=DEV)
@@ -73,6 +106,11 @@ def test_triton_work_lists_by_hand():
     assert [lists(masked, n_masked, t) for t in range(3)] == [[0, 1], [2, 3], [4, 5]]
     with pytest.raises(ValueError, match="divide the group size"):
         work_lists_triton(RowSelection(blocks, 4, row_block=4), seq, 4, 8)
+    flat, n_clean2, n_masked2, start = work_lists_triton_compact(RowSelection(blocks, 4, row_block=4), seq, 4, 2)
+    assert flat.tolist() == [0, 1, 0, 1, 2, 3, 2, 3, 4, 5] and start.tolist() == [[[0, 2, 6]]]
+    assert torch.equal(n_clean2, n_clean) and torch.equal(n_masked2, n_masked)
+    with pytest.raises(ValueError, match="work_lists_triton_compact: block_n 8 must divide"):
+        work_lists_triton_compact(RowSelection(blocks, 4, row_block=4), seq, 4, 8)
 
 
 def test_plan_work_takes_the_triton_builder_by_default(monkeypatch):
@@ -119,9 +157,9 @@ def test_plan_work_takes_the_triton_builder_by_default(monkeypatch):
 def test_gpu_32k_xattention_like_lists(block_m, window):
     """At 32K tokens, 32 table heads of 64-token blocks at about 20% density (an XAttention-like
     layout: every row keeps its diagonal), with and without NSA's 512-token window: the compiled
-    kernel's lists equal torch's."""
+    kernel's lists equal torch's, and so does its compact form."""
     from elasticfw.kernels.block_sparse_attention import work_lists
-    from elasticfw.kernels.work_lists import work_lists_triton
+    from elasticfw.kernels.work_lists import compact_lists, work_lists_triton, work_lists_triton_compact
 
     n, bs = 32768, 64
     seq = SeqInfo.dense(1, n, n, device="cuda")
@@ -133,4 +171,8 @@ def test_gpu_32k_xattention_like_lists(block_m, window):
     want = work_lists(selection, seq, block_m, bs)
     got = work_lists_triton(selection, seq, block_m, bs)
     for label, a, b in zip(("clean", "clean_count", "masked", "masked_count"), got, want):
+        assert torch.equal(a, b), label
+    flat, start = compact_lists(*want)
+    got = work_lists_triton_compact(selection, seq, block_m, bs)
+    for label, a, b in zip(("flat", "clean_count", "masked_count", "start"), got, (flat, want[1], want[3], start)):
         assert torch.equal(a, b), label

@@ -21,6 +21,9 @@ CUDA-event-timed calls against one dense causal cuDNN SDPA layer:
   ``call, triton lists`` rows time those built by the Triton kernel of
   :mod:`elasticfw.kernels.work_lists` (``TRITON_WORK_LISTS``, the default), with whether its lists
   equal torch's; without it every row uses the default builder;
+* with ``--compact-lists`` the ``plan, compact`` and ``kernel, compact`` rows: the compact work
+  lists (one flat list and a start offset per tile, ``plan_work(compact=True)``) and the kernel over
+  them, with both forms' sizes in the notes;
 * with ``--options TMA,REVERSE[,GROUP] ...`` (each 0 or 1: ``USE_TMA``, ``REVERSE_TILES`` and
   ``GROUP_HEADS``, default 1, of the kernel module), the kernel under each option set and each
   tile configuration (the defaults and
@@ -109,6 +112,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--triton-work-lists", action="store_true",
                    help="also the plan and the call with the work lists built by elasticfw.kernels.work_lists")
+    p.add_argument("--compact-lists", action="store_true",
+                   help="also the plan and the kernel with the compact work lists (plan_work(compact=True))")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     q, k, v, seq = structured_layer(args)
@@ -167,6 +172,16 @@ def main() -> None:
                         lambda s=selection: bsa.row_selection_attention(q, k, v, s, seq, scale=scale), args.repeats)
                 finally:
                     bsa.TRITON_WORK_LISTS = False
+            if args.compact_lists:  # the compact form (one flat list, a start per tile) and the kernel over it
+                compact = bsa.plan_work(selection, seq, compact=True)
+                notes[f"{name}: dense lists, MB"] = bsa.dense_list_bytes(selection, seq, plan.block_m, plan.block_n) / 1e6
+                notes[f"{name}: compact lists, MB"] = (compact.clean.numel() * 4 + compact.clean_count.numel() * 16) / 1e6
+                results[f"{name}: plan, compact"] = timed(
+                    lambda s=selection: bsa.plan_work(s, seq, compact=True), args.repeats)
+                results[f"{name}: kernel, compact"] = timed(
+                    lambda s=selection, w=compact: bsa.row_selection_attention(q, k, v, s, seq, scale=scale, plan=w),
+                    args.repeats)
+                del compact
             for spec in args.tiles:
                 tiles = _tiles(spec)
                 results[f"{name}: call, tiles {spec}"] = timed(

@@ -36,11 +36,12 @@ and values head ``h // (Hq / Hkv)`` (GQA without copying K/V). That covers:
 
 Forward only (no autograd): the flex executor uses it for inference calls with ``sparse_kernel``
 ``triton`` (or ``auto`` on CUDA), FlexAttention otherwise. Memory beyond the inputs and the
-outputs: the two lists, ``2 * 4 * B * H * (Sq / BLOCK_M) * (Sk / BLOCK_N)`` bytes (at 128K tokens
-for 32 table heads and 128-row tiles, 0.27 GB with 128-key chunks, 0.54 GB with 64-key ones; 1.07 GB
-with the 64-row tiles of 64-token layouts), and, with the torch builder, its boolean temporaries.
-The lists are dense in (tiles, chunks), so they grow with the square of the sequence: about 69 GB
-at 1M tokens for 64-token layouts of 32 heads.
+outputs: the two lists, dense, ``2 * 4 * B * H * (Sq / BLOCK_M) * (Sk / BLOCK_N)`` bytes (at 128K
+tokens for 32 table heads and 128-row tiles, 0.27 GB with 128-key chunks, 0.54 GB with 64-key ones;
+1.07 GB with the 64-row tiles of 64-token layouts), and, with the torch builder, its boolean
+temporaries. Dense lists grow with the square of the sequence (about 69 GB at 1M tokens for
+64-token layouts of 32 heads), so above :data:`COMPACT_LISTS_ABOVE` bytes :func:`plan_work` builds
+the compact form (:class:`WorkPlan`): 4 bytes per visited (tile, chunk) and 16 per tile.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ __all__ = [
     "block_layout_attention",
     "check_inputs",
     "default_tiles",
+    "dense_list_bytes",
     "flag_table",
     "kv_descriptor",
     "kv_descriptors",
@@ -225,7 +227,12 @@ def work_lists(
 @dataclass(frozen=True)
 class WorkPlan:
     """The work lists of one selection over one :class:`SeqInfo` for one tile shape (:func:`plan_work`),
-    kept by a caller that runs the same layout many times (the flex executor, for reusable layouts)."""
+    kept by a caller that runs the same layout many times (the flex executor, for reusable layouts).
+
+    Dense form (``start is None``): :func:`work_lists`' four tensors. Compact form: ``clean`` and
+    ``masked`` are one flat int32 tensor holding, for each (sample, table head, tile) in order, its
+    clean chunks then its masked ones, from ``start`` (B, H, NT) int64
+    (:func:`~elasticfw.kernels.work_lists.compact_lists`); the counts as in the dense form."""
 
     clean: torch.Tensor
     clean_count: torch.Tensor
@@ -233,11 +240,22 @@ class WorkPlan:
     masked_count: torch.Tensor
     block_m: int
     block_n: int
+    start: torch.Tensor | None = None
 
 
-def plan_work(selection: RowSelection, seq: SeqInfo, tiles: Tiles | None = None) -> WorkPlan:
+def dense_list_bytes(selection: RowSelection, seq: SeqInfo, block_m: int, block_n: int) -> int:
+    """The bytes of :func:`work_lists`' two dense lists: ``2 * 4 * B * H * tiles * chunks``."""
+    heads = selection.selected.shape[1]
+    return 8 * seq.batch * heads * cdiv(seq.q_len, block_m) * cdiv(seq.kv_capacity, block_n)
+
+
+def plan_work(
+    selection: RowSelection, seq: SeqInfo, tiles: Tiles | None = None, *, compact: bool | None = None
+) -> WorkPlan:
     """:func:`work_lists` for ``tiles`` (``None``: :func:`default_tiles`; raises
-    :class:`~elasticfw.errors.BackendUnavailableError` for a group size the kernel cannot chunk)."""
+    :class:`~elasticfw.errors.BackendUnavailableError` for a group size the kernel cannot chunk), in
+    the compact form when ``compact`` (``None``: when the dense lists would take more than
+    :data:`COMPACT_LISTS_ABOVE` bytes)."""
     if tiles is None:
         tiles = default_tiles(selection)
     block_n = _chunk_size(selection.group_size, tiles.block_n)
@@ -245,12 +263,22 @@ def plan_work(selection: RowSelection, seq: SeqInfo, tiles: Tiles | None = None)
         raise BackendUnavailableError(
             f"Triton block-sparse kernel: key group size {selection.group_size} is not a multiple of 16"
         )
+    if compact is None:
+        compact = dense_list_bytes(selection, seq, tiles.block_m, block_n) > COMPACT_LISTS_ABOVE
     if TRITON_WORK_LISTS:
-        from elasticfw.kernels.work_lists import work_lists_triton
+        from elasticfw.kernels.work_lists import work_lists_triton, work_lists_triton_compact
 
+        if compact:
+            flat, n_clean, n_masked, start = work_lists_triton_compact(selection, seq, tiles.block_m, block_n)
+            return WorkPlan(flat, n_clean, flat, n_masked, tiles.block_m, block_n, start)
         lists = work_lists_triton(selection, seq, tiles.block_m, block_n)
     else:
         lists = work_lists(selection, seq, tiles.block_m, block_n)
+        if compact:
+            from elasticfw.kernels.work_lists import compact_lists
+
+            flat, start = compact_lists(*lists)
+            return WorkPlan(flat, lists[1], flat, lists[3], tiles.block_m, block_n, start)
     return WorkPlan(*lists, tiles.block_m, block_n)
 
 
@@ -300,7 +328,7 @@ def attend_chunk(acc, m_i, l_i, qv, kt, vt, ok, qk_scale,
 
 @triton.jit
 def _block_sparse_kernel(
-    q_ptr, k_ptr, v_ptr, sel_ptr, clean_ptr, nclean_ptr, masked_ptr, nmasked_ptr, keep_ptr,
+    q_ptr, k_ptr, v_ptr, sel_ptr, clean_ptr, nclean_ptr, masked_ptr, nmasked_ptr, start_ptr, keep_ptr,
     q_start_ptr, kv_len_ptr, out_ptr, lse_ptr, k_desc, v_desc,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
@@ -314,7 +342,7 @@ def _block_sparse_kernel(
     q_len, row_block, group_size, window, kv_group, sel_group, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, REVERSE: tl.constexpr,
-    GROUPED: tl.constexpr,
+    GROUPED: tl.constexpr, COMPACT: tl.constexpr,
 ):
     n_tiles = tl.num_programs(0)
     if GROUPED:  # KV head by KV head, a tile's query heads of one GQA group side by side (shared K/V in L2)
@@ -350,11 +378,17 @@ def _block_sparse_kernel(
     k_row0 = b * k_rows_b + kh * k_rows_h
     v_row0 = b * v_rows_b + kh * v_rows_h
     s_base = sel_ptr + b.to(tl.int64) * stride_sb + hs.to(tl.int64) * stride_sh + flag_row.to(tl.int64) * stride_sr
-    list_off = b.to(tl.int64) * stride_lb + hs.to(tl.int64) * stride_lh + tile.to(tl.int64) * stride_lt
     count_off = b.to(tl.int64) * stride_cb + hs.to(tl.int64) * stride_ch + tile * stride_ct
     head_kept = tl.load(keep_ptr + b.to(tl.int64) * stride_eb + h.to(tl.int64) * stride_eh) != 0
-    n_clean = tl.where(head_kept, tl.load(nclean_ptr + count_off), 0)  # a head left out computes nothing
+    listed_clean = tl.load(nclean_ptr + count_off)
+    n_clean = tl.where(head_kept, listed_clean, 0)  # a head left out computes nothing
     n_masked = tl.where(head_kept, tl.load(nmasked_ptr + count_off), 0)
+    if COMPACT:  # one flat list: the tile's clean chunks from its start, its masked ones right after
+        clean_off = tl.load(start_ptr + count_off)
+        masked_off = clean_off + listed_clean
+    else:
+        clean_off = b.to(tl.int64) * stride_lb + hs.to(tl.int64) * stride_lh + tile.to(tl.int64) * stride_lt
+        masked_off = clean_off
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -362,7 +396,7 @@ def _block_sparse_kernel(
     n = tl.arange(0, BLOCK_N)
     none = tl.zeros((BLOCK_M, BLOCK_N), tl.int1)
     for e in range(0, n_clean):  # chunks every row selects, wholly before the tile: no mask
-        c = tl.load(clean_ptr + list_off + e * stride_lc)
+        c = tl.load(clean_ptr + clean_off + e * stride_lc)
         if TMA:
             kt = k_desc.load([k_row0 + c * BLOCK_N, kh * k_cols_h])
             vt = v_desc.load([v_row0 + c * BLOCK_N, kh * v_cols_h])
@@ -372,7 +406,7 @@ def _block_sparse_kernel(
         acc, m_i, l_i = attend_chunk(acc, m_i, l_i, qv, kt, vt, none, qk_scale,
                                      MASKED=False, IEEE=IEEE, UPCAST=UPCAST)
     for e in range(0, n_masked):
-        c = tl.load(masked_ptr + list_off + e * stride_lc)
+        c = tl.load(masked_ptr + masked_off + e * stride_lc)
         kpos = c * BLOCK_N + n
         flags = tl.load(s_base + ((c * BLOCK_N) // group_size) * stride_sg, mask=row_ok, other=0) != 0
         seen_pair = flags[:, None]
@@ -399,6 +433,10 @@ def _block_sparse_kernel(
 #: (:func:`work_lists`, the definition it is tested against). On one H200 at 128K with 64-row tiles:
 #: XAttention's lists 0.99 ms against 10.0, NSA's 0.31 against 3.0 (``results/bench/issue10-s10/``)
 TRITON_WORK_LISTS = True
+#: :func:`plan_work` builds the compact form of the lists (:class:`WorkPlan`) when the dense form would
+#: take more bytes than this: 2 GiB, so up to 128K tokens (1.07 GB for 32 heads of 64-row tiles over
+#: 64-key chunks, the largest measured) the dense form, whose timings are the measured ones, stays
+COMPACT_LISTS_ABOVE = 2 * 2**30
 #: K and V through TMA tensor descriptors where their strides allow (:func:`kv_descriptor`), on
 #: GPUs of compute capability 9 or more and under the interpreter
 USE_TMA = True
@@ -515,20 +553,27 @@ def _attend(
         )
     clean, n_clean, masked, n_masked, block_n = (plan.clean, plan.clean_count, plan.masked, plan.masked_count,
                                                  plan.block_n)
+    if plan.start is None:
+        start, list_strides = n_clean, list(clean.stride())  # start: unused
+    elif plan.start.stride() == n_clean.stride() == n_masked.stride() and clean.dim() == 1 and masked is clean:
+        start, list_strides = plan.start, [0, 0, 0, 1]
+    else:
+        raise ValueError(f"{caller}: a compact work plan needs one flat list and start offsets laid out as its counts")
     sel_u8 = flag_table(sel, batch)
     grid = (cdiv(q_len, tiles.block_m), hq, batch)
     tma, k_desc, v_desc, k_rows, v_rows = kv_descriptors(k, v, block_n)
     _block_sparse_kernel[grid](
-        q, k, v, sel_u8, clean, n_clean, masked, n_masked, keep, seq.q_start.contiguous(), seq.kv_len.contiguous(),
-        out, lse, k_desc, v_desc,
+        q, k, v, sel_u8, clean, n_clean, masked, n_masked, start, keep, seq.q_start.contiguous(),
+        seq.kv_len.contiguous(), out, lse, k_desc, v_desc,
         *q.stride(), *k.stride(), *v.stride(), *k_rows, *v_rows,
-        *sel_u8.stride(), *clean.stride(), *n_clean.stride(), *keep.stride(),
+        *sel_u8.stride(), *list_strides, *n_clean.stride(), *keep.stride(),
         *out.stride(),
         q_len, selection.row_block, selection.group_size, selection.window, hq // hkv, hq // sel.shape[1],
         scale * _LOG2E,
         HEAD_DIM=dim, D_PAD=max(16, next_pow2(dim)), BLOCK_M=tiles.block_m, BLOCK_N=block_n,
         WINDOW=selection.window > 0, IEEE=q.dtype == torch.float32, UPCAST=interpreting() and q.dtype != torch.float32,
-        TMA=tma, REVERSE=REVERSE_TILES, GROUPED=GROUP_HEADS and hq > hkv, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        TMA=tma, REVERSE=REVERSE_TILES, GROUPED=GROUP_HEADS and hq > hkv, COMPACT=plan.start is not None,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out, lse
 
