@@ -125,6 +125,7 @@ def gpu(args: argparse.Namespace) -> int:
          "tests/test_work_lists_triton.py", "-m", "gpu", "-q",
          "-p", "no:cacheprovider", "--junitxml", str(out / "gpu_tests.xml")],
         "kernels": [py, str(Path(__file__).with_name("sparse_kernel_timing.py")), "--profile", "--triton-work-lists",
+                    "--compact-lists",
                     "--json", str(out / "variants" / "kernel_timing.json")],
         "decode-host": [py, str(Path(__file__).with_name("decode_host_timing.py")), "--cprofile", "200", "--json",
                         str(out / "variants" / "decode_host.json")],

@@ -22,8 +22,8 @@ CUDA-event-timed calls against one dense causal cuDNN SDPA layer:
   :mod:`elasticfw.kernels.work_lists` (``TRITON_WORK_LISTS``, the default), with whether its lists
   equal torch's; without it every row uses the default builder;
 * with ``--compact-lists`` the ``plan, compact`` and ``kernel, compact`` rows: the compact work
-  lists (one flat list and a start offset per tile, ``plan_work(compact=True)``) and the kernel over
-  them, with both forms' sizes in the notes;
+  lists (one flat list and a start offset per tile, ``plan_work(compact=True)``, by the default
+  builder) and the kernel over them, with both forms' sizes in the notes;
 * with ``--options TMA,REVERSE[,GROUP] ...`` (each 0 or 1: ``USE_TMA``, ``REVERSE_TILES`` and
   ``GROUP_HEADS``, default 1, of the kernel module), the kernel under each option set and each
   tile configuration (the defaults and
@@ -173,15 +173,21 @@ def main() -> None:
                 finally:
                     bsa.TRITON_WORK_LISTS = False
             if args.compact_lists:  # the compact form (one flat list, a start per tile) and the kernel over it
-                compact = bsa.plan_work(selection, seq, compact=True)
-                notes[f"{name}: dense lists, MB"] = bsa.dense_list_bytes(selection, seq, plan.block_m, plan.block_n) / 1e6
-                notes[f"{name}: compact lists, MB"] = (compact.clean.numel() * 4 + compact.clean_count.numel() * 16) / 1e6
-                results[f"{name}: plan, compact"] = timed(
-                    lambda s=selection: bsa.plan_work(s, seq, compact=True), args.repeats)
-                results[f"{name}: kernel, compact"] = timed(
-                    lambda s=selection, w=compact: bsa.row_selection_attention(q, k, v, s, seq, scale=scale, plan=w),
-                    args.repeats)
-                del compact
+                saved_lists, bsa.TRITON_WORK_LISTS = bsa.TRITON_WORK_LISTS, default_lists  # the default builder
+                try:
+                    compact = bsa.plan_work(selection, seq, compact=True)
+                    notes[f"{name}: dense lists, MB"] = bsa.dense_list_bytes(
+                        selection, seq, plan.block_m, plan.block_n) / 1e6
+                    notes[f"{name}: compact lists, MB"] = (
+                        compact.clean.numel() * 4 + compact.clean_count.numel() * 16) / 1e6
+                    results[f"{name}: plan, compact"] = timed(
+                        lambda s=selection: bsa.plan_work(s, seq, compact=True), args.repeats)
+                    results[f"{name}: kernel, compact"] = timed(
+                        lambda s=selection, w=compact: bsa.row_selection_attention(q, k, v, s, seq, scale=scale,
+                                                                                   plan=w), args.repeats)
+                    del compact
+                finally:
+                    bsa.TRITON_WORK_LISTS = saved_lists
             for spec in args.tiles:
                 tiles = _tiles(spec)
                 results[f"{name}: call, tiles {spec}"] = timed(
@@ -221,6 +227,7 @@ def main() -> None:
                     profiles.append({"call": label, "table": table})
             del layout, selection, plan
             torch.cuda.empty_cache()
+    bsa.TRITON_WORK_LISTS = default_lists  # the module default back for whoever imported it
     base = results["dense cuDNN SDPA layer"]
     print(f"{torch.cuda.get_device_name()}: B=1, {n} tokens, Hq={hq}, Hkv={hkv}, d={d}, bf16, structured inputs")
     for name, ms in results.items():

@@ -1,0 +1,56 @@
+"""``tools/sparse_kernel_timing.py`` (run on a GPU by a session, where a crash costs device time) on
+the CPU under Triton's interpreter, its CUDA timing and inputs replaced: every row and note it
+promises is written, the Triton and torch work lists agree, and the compact lists are smaller."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from elasticfw.kernels import triton_unavailable
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+pytestmark = pytest.mark.skipif(triton_unavailable(torch.device("cpu")) is not None, reason="needs Triton's interpreter")
+
+
+def test_sparse_kernel_timing_writes_every_row(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import sparse_kernel_timing as tool
+
+    from elasticfw.attention.seq import SeqInfo
+    from elasticfw.bench.inputs import structured_qkv
+    from elasticfw.kernels import block_sparse_attention as bsa
+
+    def layer(args):
+        q, k, v = structured_qkv(1, args.query_heads, args.kv_heads, args.tokens, args.head_dim, seed=0)
+        return q, k, v, SeqInfo.dense(1, args.tokens, args.tokens)
+
+    calls = []
+    monkeypatch.setattr(bsa, "TRITON_WORK_LISTS", True)  # restored after the test whatever the tool does
+    monkeypatch.setattr(tool, "structured_layer", layer)
+    monkeypatch.setattr(tool, "dense_layer", lambda q, k, v: lambda: None)
+    monkeypatch.setattr(tool, "timed", lambda fn, repeats: (fn(), calls.append(1), 2.0)[-1])
+    monkeypatch.setattr(tool, "environment", lambda device: {"device": str(device)})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    out = tmp_path / "timing.json"
+    monkeypatch.setattr(sys, "argv", [
+        "sparse_kernel_timing.py", "--tokens", "256", "--query-heads", "2", "--kv-heads", "1", "--head-dim", "16",
+        "--modes", "streaming", "xattention", "--triton-work-lists", "--compact-lists", "--tiles", "32,32,4,2",
+        "--json", str(out)])
+    tool.main()
+    report = json.loads(out.read_text())
+    rows = {"plan", "kernel", "call", "plan, triton lists", "call, triton lists", "plan, compact",
+            "kernel, compact", "call, tiles 32,32,4,2"}
+    assert set(report["ms"]) == {"dense cuDNN SDPA layer"} | {f"{m}: {r}" for m in ("streaming", "xattention")
+                                                              for r in rows}
+    assert len(calls) == len(report["ms"]) and report["ratio_vs_dense"]["streaming: plan"] == 1.0
+    for mode in ("streaming", "xattention"):
+        notes = report["notes"]
+        assert notes[f"{mode}: triton work lists equal torch's"] == 1.0
+        assert 0 < notes[f"{mode}: compact lists, MB"] < notes[f"{mode}: dense lists, MB"]
+    assert bsa.TRITON_WORK_LISTS is True  # the tool puts the module's default back
