@@ -264,7 +264,7 @@ def test_token_granularity_keeps_the_torch_path(monkeypatch):
         raise AssertionError("token granularity must not run the block kernel")
 
     monkeypatch.setattr(nsa_importance, "nsa_block_importance_triton", refuse)
-    seq = SeqInfo.dense(1, 40, 40, DEV)
+    seq = SeqInfo.dense(1, 72, 72, DEV)  # 5 key blocks: top_n 3 scores (at least 5 would select every block)
     q, k = _inputs(seq, 2, 1, 16, F32)
     cfg = {"block_size": 16, "compress_kernel": 8, "compress_stride": 4, "top_n": 3, "query_granularity": "token"}
     a = make_mode("nsa", {**cfg, "scorer": "triton"}).build_layout(q, k, seq)

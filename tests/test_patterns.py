@@ -33,6 +33,10 @@ SEQS = {
     "padded": lambda: SeqInfo.from_lengths(torch.tensor([37, 22]), 37, 37),
     "chunked": lambda: SeqInfo(torch.tensor([13, 5]), torch.tensor([37, 25]), 20, 37),
     "decode": lambda: SeqInfo.dense(2, 1, 37),
+    # queries known on the host to start on the 8-tile grid (query_grid's slice): whole tiles, and a
+    # suffix of the keys with padding rows in its last tile
+    "dense_whole_tiles": lambda: SeqInfo.dense(2, 40, 40),
+    "dense_aligned_suffix": lambda: SeqInfo.dense(2, 21, 37),
 }
 
 
@@ -186,12 +190,16 @@ def test_query_grid_and_pool_tiles_match_positions(name):
                 assert not means[b, :, t].any() and not picked[b, :, t].any() and not every[b, :, t].any()
 
 
-def test_query_grid_row_range_is_a_slice_of_the_whole_grid():
-    seq = SEQS["chunked"]()
+@pytest.mark.parametrize("name", ["chunked", "dense_whole_tiles", "dense_aligned_suffix"])
+def test_query_grid_row_range_is_a_slice_of_the_whole_grid(name):
+    seq = SEQS[name]()
     q, _ = _inputs(seq, hq=2, dim=3)
     whole, valid = query_grid(q, seq, 4)
     part, part_valid = query_grid(q, seq, 4, rows=(2, 4))
     assert torch.equal(part, whole[:, :, 8:16]) and torch.equal(part_valid, valid[:, 8:16])
+    last = seq.num_query_blocks(4)
+    tail, tail_valid = query_grid(q, seq, 4, rows=(last - 1, last))  # the last tile, padded or whole
+    assert torch.equal(tail, whole[:, :, -4:]) and torch.equal(tail_valid, valid[:, -4:])
 
 
 # -- MoBA's gate ------------------------------------------------------------------------------------

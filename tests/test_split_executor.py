@@ -339,6 +339,84 @@ def test_gathered_path_rows_without_keys_give_zero_and_minus_inf():
     assert bool(torch.isneginf(res.lse[:, :, :32]).all()) and bool(torch.isfinite(res.lse[:, :, 32:]).all())
 
 
+def test_gathered_path_rows_whose_blocks_all_lie_ahead_see_nothing():
+    """A row block that selects only a key block after its rows (never causal for them) sees no key:
+    zero output and ``-inf`` log-sum-exp, as the reference executor gives; the next row block, which
+    selects the same key block as its diagonal, attends it causally."""
+    from elasticfw.attention.layout import BlockLayout
+
+    q, k, v, seq = make_inputs((2, 2, 1, 40, 40, 8))
+    blocks = torch.zeros(1, 1, 3, 3, dtype=torch.bool)
+    blocks[0, 0, 0, 1] = True  # rows 0-15: only keys 16-31, all ahead of them
+    blocks[0, 0, 1, 1] = blocks[0, 0, 2, :] = True
+    layout = BlockLayout(blocks, 16)
+    real = F.scaled_dot_product_attention
+    masks = []
+
+    def keeping(qq, kk, vv, attn_mask=None, **kw):  # SDPA never gets a row without a key (NaN on CUDA)
+        masks.append(bool((attn_mask == 0).any(-1).all()))  # now: the next chunk reuses the buffer
+        return real(qq, kk, vv, attn_mask=attn_mask, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(F, "scaled_dot_product_attention", keeping)
+        got = SplitExecutor(SplitConfig(query_chunk=32)).attend(q, k, v, layout, seq, scale=0.3, need_lse=True)
+    assert masks and all(masks)
+    want = get_registry().get("executor", "reference")().attend(q, k, v, layout, seq, scale=0.3)
+    assert torch.equal(got.out[:, :, :16], torch.zeros_like(got.out[:, :, :16]))
+    assert bool(torch.isneginf(got.lse[:, :, :16]).all()) and bool(torch.isfinite(got.lse[:, :, 16:]).all())
+    assert rel_rms(got.out, want.out) < TOLERANCE[torch.float32]
+    torch.testing.assert_close(got.lse[:, :, 16:], want.lse[:, :, 16:], rtol=1e-5, atol=1e-4)
+
+
+def test_gathered_path_mask_buffer_is_reused_and_stays_exact(monkeypatch):
+    """At inference the additive masks of every chunk, layer and call share one buffer (grown when
+    a chunk needs more); calls of other shapes and dtypes through the same executor, one after the
+    other, still meet the reference; a call that records autograd gets a mask of its own."""
+    from elasticfw_plugins.executors.gathered import MaskBuffer
+
+    holder = MaskBuffer()
+    a = holder.take((2, 3), torch.float32, torch.device("cpu"), True)
+    b = holder.take((5,), torch.float32, torch.device("cpu"), True)
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and b.shape == (5,)
+    c = holder.take((4, 4), torch.float32, torch.device("cpu"), True)  # more than held: a larger buffer
+    assert c.shape == (4, 4) and holder._buffer.numel() == 16 and c.data_ptr() == holder._buffer.data_ptr()
+    d = holder.take((2, 2), torch.float32, torch.device("cpu"), False)  # no reuse: a tensor of its own
+    assert d.untyped_storage().data_ptr() != holder._buffer.untyped_storage().data_ptr()
+    ex = SplitExecutor(SplitConfig(query_chunk=48))
+    ref = get_registry().get("executor", "reference")()
+    stream = make_mode("streaming", {"block_size": 16, "sink_tokens": 16, "local_tokens": 32})
+    buffers, storages = [], []
+    real = F.scaled_dot_product_attention
+
+    def recording(qq, kk, vv, attn_mask=None, **kw):
+        storages.append(attn_mask.untyped_storage().data_ptr())
+        return real(qq, kk, vv, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    for shape, dtype in [((1, 4, 2, 160, 160, 16), torch.float32), ((2, 2, 1, 203, 203, 8), torch.float32),
+                         ((1, 4, 2, 96, 96, 16), torch.float32), ((1, 4, 2, 160, 160, 16), torch.bfloat16)]:
+        q, k, v, seq = make_inputs(shape, dtype=dtype)
+        layout = stream.build_layout(q, k, seq)
+        with torch.no_grad():
+            got = ex.attend(q, k, v, layout, seq, scale=0.25, need_lse=False).out
+            want = ref.attend(q, k, v, layout, seq, scale=0.25).out
+        assert rel_rms(got, want) < TOLERANCE[dtype]
+        buffers.append(ex._mask_buffer._buffer)
+        assert buffers[-1].untyped_storage().data_ptr() in storages  # the chunks' masks in the buffer
+        storages.clear()
+    assert buffers[0] is not None and buffers[2] is buffers[1]  # the smaller call reused the buffer
+    assert buffers[3].dtype == torch.bfloat16  # another dtype: a buffer of its own
+    q, k, v, seq = make_inputs((1, 4, 2, 96, 96, 16))
+    q.requires_grad_(True)
+    out = ex.attend(q, k, v, stream.build_layout(q, k, seq), seq, scale=0.25, need_lse=False).out
+    assert ex._mask_buffer._buffer is buffers[3]  # autograd: a new mask, the buffer untouched
+    assert storages and buffers[3].untyped_storage().data_ptr() not in storages
+    out.sum().backward()
+    q2 = q.detach().requires_grad_(True)
+    ref.attend(q2, k, v, stream.build_layout(q2, k, seq), seq, scale=0.25).out.sum().backward()
+    torch.testing.assert_close(q.grad, q2.grad, rtol=1e-4, atol=1e-5)
+
+
 def test_cuda_choices_on_a_cpu():
     """The CUDA-only branches, as far as a CPU runs them: backend names, the priority context and
     the sparse path chosen per device."""

@@ -409,6 +409,39 @@ def esr(layout: BlockLayout, seq: SeqInfo, num_heads: int | None = None) -> torc
     return 1.0 - density(layout, seq, num_heads)
 
 
+def computes_every_causal_pair(layout: BlockLayout, seq: SeqInfo) -> bool:
+    """Whether ``layout`` computes every causal pair of every real query row of ``seq`` (ESR 0), so
+    that dense causal attention computes exactly its pairs: a ``dense_causal`` layout; a row
+    selection whose every flag row selects every key group up to its rows' last real position (its
+    sliding window not counted); or blocks, without a token mask, holding every causal block of
+    every real row. Another token mask: ``False`` (not decided). A data-dependent mode at a short
+    context (MoBA's top-k or NSA's top-n at least the blocks there are) gives such layouts.
+    Reads the device once; O(B * H * rows * groups)."""
+    if layout.dense_causal:
+        return True
+    selection = layout.row_selection
+    if selection is not None:
+        table, row_block, group = selection.selected, selection.row_block, selection.group_size
+    elif layout.token_mask is None:
+        table, row_block, group = layout.blocks, layout.block_size, layout.block_size
+    else:
+        return False
+    if seq.q_len == 0 or seq.batch == 0:
+        return True
+    rows = table.shape[2]
+    r = torch.arange(rows, device=seq.device)[None, :]
+    first_row = torch.div(seq.q_start, row_block, rounding_mode="floor")[:, None]
+    last_real = (torch.minimum(seq.q_start + seq.q_len, seq.kv_len) - 1)[:, None]  # (B, 1)
+    lo = torch.maximum((first_row + r) * row_block, seq.q_start[:, None])  # each flag row's real positions
+    hi = torch.minimum((first_row + r + 1) * row_block - 1, last_real)
+    needed = torch.where(hi >= lo, torch.div(hi, group, rounding_mode="floor") + 1, 0)  # groups 0 .. needed-1
+    if int(needed.max()) > table.shape[3]:
+        return False  # a needed group past the table: never selected
+    g = torch.arange(table.shape[3], device=seq.device)
+    need = g[None, None, :] < needed[:, :, None]  # (B, R, G)
+    return bool((table | ~need[:, None]).all())
+
+
 def index_lists(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(count (...) int32, indices (..., N) int32) of a (..., N) bool: the set entries' indices
     first, ascending; entries past ``count`` are 0. O(N) (a cumulative sum and a scatter, no sort):

@@ -112,7 +112,8 @@ def query_grid(
     layout rows ``rows = (t0, t1)`` (default: all ``seq.num_query_blocks(block_size)``), where grid
     row ``r`` of sample ``b`` is position ``(seq.q_block_start(block_size)[b] + t0) * block_size + r``;
     and ``valid`` (B, R) bool, the grid rows holding a real query of the sample. Grid rows without
-    one are zero (``False`` for bool ``x``).
+    one are zero (``False`` for bool ``x``). The grid may be a view of ``x`` (queries that fill the
+    rows, known on the host): read it, do not write it.
     """
     bs = block_size
     t0, t1 = rows if rows is not None else (0, seq.num_query_blocks(bs))
@@ -120,6 +121,17 @@ def query_grid(
     rest = x.shape[3:]
     n_rows = (t1 - t0) * bs
     dev = x.device
+    if seq.host_signature() is not None and (seq.kv_capacity - seq.q_len) % bs == 0:
+        # every sample's queries are the last q_len positions, starting on the tile grid (known on the
+        # host): grid row r is query row t0 * bs + r for every sample, a slice (no index gather)
+        a = t0 * bs
+        z = min(seq.q_len, a + n_rows)
+        valid = (torch.arange(n_rows, device=dev) < z - a)[None, :].expand(batch, n_rows)
+        if z - a == n_rows:
+            return x[:, :, a:z], valid  # no padding row: a view of x
+        grid = x.new_zeros(batch, heads, n_rows, *rest)
+        grid[:, :, : max(z - a, 0)] = x[:, :, a:z]
+        return grid, valid
     pos = (seq.q_block_start(bs)[:, None] + t0) * bs + torch.arange(n_rows, device=dev)[None, :]  # (B, R)
     idx = pos - seq.q_start[:, None]
     valid = (idx >= 0) & (idx < seq.q_len) & (pos < seq.kv_len[:, None])

@@ -60,7 +60,6 @@ path is plain differentiable PyTorch).
 from __future__ import annotations
 
 import inspect
-import math
 from collections import OrderedDict
 from typing import Literal
 
@@ -70,12 +69,13 @@ from pydantic import Field
 
 from elasticfw.attention.executor import Executor, ExecutorConfig
 from elasticfw.attention.inputs import check_layout
-from elasticfw.attention.layout import BlockLayout, expand_heads, select_heads
+from elasticfw.attention.layout import BlockLayout, computes_every_causal_pair, select_heads
 from elasticfw.attention.mode import AttentionOutput, routed_layout
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError, UnsupportedInputError
 from elasticfw.kernels import triton_unavailable
 from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
+from elasticfw_plugins.executors.gathered import MaskBuffer, gathered_attention
 
 DenseBackend = Literal["auto", "cudnn", "flash", "efficient", "math", "flash_attn"]
 
@@ -188,24 +188,6 @@ def _empty_like_layout(layout: BlockLayout) -> BlockLayout:
     return BlockLayout(torch.zeros(shape, dtype=torch.bool, device=layout.blocks.device), layout.block_size)
 
 
-def _gather_keys(
-    k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, bs: int, capacity: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of the (ascending) key blocks ``ids``: views when they are one run of
-    consecutive blocks (every key included), else one concatenation of slices, one per run."""
-    blocks = [int(i) for i in ids.tolist()]
-    runs: list[tuple[int, int]] = []
-    for b in blocks:
-        if runs and runs[-1][1] == b * bs:
-            runs[-1] = (runs[-1][0], min((b + 1) * bs, capacity))
-        else:
-            runs.append((b * bs, min((b + 1) * bs, capacity)))
-    if len(runs) == 1:
-        a, z = runs[0]
-        return k[:, :, a:z], v[:, :, a:z]
-    return torch.cat([k[:, :, a:z] for a, z in runs], 2), torch.cat([v[:, :, a:z] for a, z in runs], 2)
-
-
 class SplitExecutor(Executor):
     """Dense causal heads through dense SDPA (cuDNN first on CUDA), the others through FlexAttention
     (CUDA) or block-gathered SDPA (CPU); see the module docstring."""
@@ -221,6 +203,8 @@ class SplitExecutor(Executor):
         #: (device, heads) -> the heads as an int64 index on that device: built once per routing
         #: pattern (building it from a list is a copy to the device, which waits for queued kernels)
         self._indices: OrderedDict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = OrderedDict()
+        #: the gathered path's additive masks at inference (:mod:`elasticfw_plugins.executors.gathered`)
+        self._mask_buffer = MaskBuffer()
 
     def _head_index(self, heads: list[int], device: torch.device) -> torch.Tensor:
         """``heads`` as an int64 tensor on ``device``, kept for the next layer or forward with the
@@ -426,6 +410,9 @@ class SplitExecutor(Executor):
         path = self.sparse_path(q.device, seq)
         if path == "flex":
             return self.flex_executor().attend(q, k, v, layout, seq, scale=scale, need_lse=need_lse)
+        if path == "gathered" and not need_lse and _dense_shape(seq) and computes_every_causal_pair(layout, seq):
+            # every causal pair (a data-dependent mode at a short context): the dense kernel's exact work
+            return AttentionOutput(self.dense(q, k, v, scale=scale, causal=seq.q_len > 1), None)
         if path == "kernel":
             reason = _decode_kernel_reason(q, k, v, (layout,))
             return self.decode_kernel(q, k, v, seq, (layout,), scale=scale, need_lse=need_lse, reason=reason)
@@ -481,55 +468,7 @@ class SplitExecutor(Executor):
         scale: float,
         need_lse: bool,
     ) -> AttentionOutput:
-        """Exact attention over ``layout``, computing per query chunk only the key blocks it uses."""
-        batch, hq, sq, dim = q.shape
-        group = hq // k.shape[1]
-        bs = layout.block_size
-        lay = expand_heads(layout, hq)  # 1 or Hq heads; a per-KV-head token mask sees query heads // group
-        heads = lay.num_heads
-        nqb, nkb = lay.blocks.shape[2], lay.blocks.shape[3]
-        # one mask for the whole batch when it cannot differ between samples (a 1-sample layout
-        # without token mask and one query start: a plain prefill), else one per sample
-        shared = lay.blocks.shape[0] == 1 and lay.token_mask is None and bool((seq.q_start == seq.q_start[0]).all())
-        mask_batch = 1 if shared else batch
-        blocks = lay.blocks.expand(mask_batch, heads, nqb, nkb)
-        q_start = seq.q_start[:mask_batch]
-        q_block0 = seq.q_block_start(bs)[:mask_batch]
-        b_idx = torch.arange(batch, device=q.device)[:, None, None, None]
-        h_idx = torch.arange(heads, device=q.device)[None, :, None, None]
-        outs, lses = [], []
-        for start in range(0, sq, self.config.query_chunk):
-            rows = torch.arange(start, min(sq, start + self.config.query_chunk), device=q.device)
-            pos = q_start[:, None] + rows[None, :]  # (B or 1, R)
-            t = (torch.div(pos, bs, rounding_mode="floor") - q_block0[:, None]).clamp(0, nqb - 1)
-            row_blocks = blocks.gather(2, t[:, None, :, None].expand(mask_batch, heads, t.shape[1], nkb))
-            used = row_blocks.any(2).any(1).any(0)  # (NKB,) key blocks any row of the chunk computes
-            used &= torch.arange(nkb, device=q.device) * bs <= int(pos.max())  # no block past the last position
-            ids = used.nonzero().flatten()
-            cols = (ids[:, None] * bs + torch.arange(bs, device=q.device)[None, :]).flatten()
-            cols = cols[cols < seq.kv_capacity]
-            qc = q[:, :, start : start + rows.shape[0]]
-            if cols.numel() == 0:
-                outs.append(torch.zeros_like(qc))
-                if need_lse:
-                    lses.append(torch.full(qc.shape[:3], -math.inf, device=q.device))
-                continue
-            kc, vc = _gather_keys(k, v, ids, bs, seq.kv_capacity)
-            mask = row_blocks.gather(3, torch.div(cols, bs, rounding_mode="floor").expand(*row_blocks.shape[:3], -1))
-            mask = mask & (cols[None, None, None, :] <= pos[:, None, :, None])
-            if lay.token_mask is not None:
-                mask = mask & lay.token_mask(b_idx, h_idx, pos[:, None, :, None], cols[None, None, None, :])
-            empty = ~mask.any(-1)  # rows that see no key: give SDPA one key, zero the result
-            has_empty = bool(empty.any())
-            if has_empty:
-                mask = mask.clone()
-                mask[..., 0] |= empty
-            out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True)
-            outs.append(out.masked_fill(empty[..., None], 0.0) if has_empty else out)
-            if need_lse:
-                scores = torch.matmul(qc.float(), kc.float().repeat_interleave(group, 1).transpose(-1, -2)) * scale
-                scores = scores.masked_fill(~mask, -math.inf)
-                lses.append(torch.logsumexp(scores, -1).masked_fill(empty, -math.inf))
-        if not outs:
-            return AttentionOutput(torch.zeros_like(q), torch.zeros(q.shape[:3], device=q.device) if need_lse else None)
-        return AttentionOutput(torch.cat(outs, 2), torch.cat(lses, 2) if need_lse else None)
+        """Exact attention over ``layout``, computing per query chunk only the key blocks it uses
+        (:func:`elasticfw_plugins.executors.gathered.gathered_attention`)."""
+        return gathered_attention(q, k, v, layout, seq, scale=scale, need_lse=need_lse,
+                                  query_chunk=self.config.query_chunk, buffer=self._mask_buffer)

@@ -122,6 +122,12 @@ class MobaAttention(AttentionMode):
 
         return choose_backend(self.config.planner, q.device, why_not, mode="moba", field="planner", label="MoBA")
 
+    def selects_every_block(self, num_blocks: int) -> bool:
+        """Whether ``top_k`` is at least the ``num_blocks`` MoBA blocks: every block up to a query's
+        own is then selected whatever the gates, and the layouts skip gating (the same selection,
+        exactly)."""
+        return self.config.top_k >= num_blocks
+
     def build_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> BlockLayout:
         seq.check(q, k)
         means = key_block_means(k, seq, self.config.moba_block_size)
@@ -135,6 +141,12 @@ class MobaAttention(AttentionMode):
         moba = cfg.moba_block_size
         batch, hq, sq, _ = q.shape
         nmb = means.shape[2]
+        if self.selects_every_block(nmb):  # every block up to the row's own, whatever the gates: no gating
+            self.planning_backend(q, nmb)  # a pinned planner that cannot run still fails, at every length
+            current = torch.div(seq.query_positions(), moba, rounding_mode="floor").clamp(0, nmb - 1)
+            blocks = torch.arange(nmb, device=q.device)
+            selected = (blocks <= current[:, None, :, None]) & seq.query_valid()[:, None, :, None]
+            return row_selection_layout(selected.expand(batch, hq, sq, nmb), seq, cfg.block_size, key_block_size=moba)
         if self.planning_backend(q, nmb) == "triton":
             from elasticfw.kernels.moba_select import moba_token_selection_triton
 
@@ -161,9 +173,13 @@ class MobaAttention(AttentionMode):
         batch, hq = q.shape[:2]
         nmb = means.shape[2]
         grid, valid = query_grid(q.float(), seq, bs)
-        pooled = pool_tiles(grid, valid, bs, "mean")  # (B, Hq, NQB, D): the mean of each tile's real queries
         current = torch.div(seq.query_block_positions(bs) * bs, moba, rounding_mode="floor").clamp(0, nmb - 1)
-        selected = select_blocks(gate_scores(pooled, means), current[:, None].expand(batch, hq, -1), cfg.top_k)
+        if self.selects_every_block(nmb):  # every block up to the tile's own, whatever the gates: no gating
+            blocks = torch.arange(nmb, device=q.device)
+            selected = (blocks <= current[:, None, :, None]).expand(batch, hq, -1, nmb).clone()
+        else:
+            pooled = pool_tiles(grid, valid, bs, "mean")  # (B, Hq, NQB, D): the mean of each tile's real queries
+            selected = select_blocks(gate_scores(pooled, means), current[:, None].expand(batch, hq, -1), cfg.top_k)
         occupied = valid.view(batch, -1, bs).any(-1)
         selected &= occupied[:, None, :, None]  # tiles without a real query compute nothing
         return key_blocks_to_layout(selected, seq, bs, key_block_size=moba)

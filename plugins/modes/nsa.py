@@ -333,6 +333,8 @@ class NSAAttention(AttentionMode):
         batch, hkv, sq = q.shape[0], k.shape[1], q.shape[2]
         selected = torch.zeros(batch, hkv, sq, seq.num_key_blocks(bs), dtype=torch.bool, device=q.device)
         current = torch.div(seq.query_positions(), bs, rounding_mode="floor")  # (B, Sq)
+        if self.selects_every_block(seq):  # no scoring: any importance selects every causal block
+            return top_n_blocks(torch.zeros(selected.shape, device=q.device), current[:, None, :, None], self.config)
         for rows, per_row in self.row_importance(q, k, seq, scale):
             selected[:, :, rows] = top_n_blocks(per_row, current[:, None, rows, None], self.config)
         return selected
@@ -346,10 +348,21 @@ class NSAAttention(AttentionMode):
             return self._token_layout(q, k, seq, scale)
         return self._block_layout(q, k, seq, scale)
 
+    def selects_every_block(self, seq: SeqInfo) -> bool:
+        """Whether ``top_n`` is at least the key blocks of ``seq``: every causal block is then selected
+        whatever the importance, and the layouts skip scoring (the same selection, exactly)."""
+        return self.config.top_n >= seq.num_key_blocks(self.config.block_size)
+
     def _block_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, scale: float | None) -> BlockLayout:
         cfg = self.config
         bs, window = cfg.block_size, cfg.window
-        selected = self.select_blocks(self.block_importance(q, k, seq, scale), seq)  # (B, Hkv, NQB, NKB)
+        if self.selects_every_block(seq):  # no scoring: any importance selects every causal block
+            self.scoring_backend(q, k)  # a pinned scorer that cannot run still fails, at every length
+            shape = (q.shape[0], k.shape[1], seq.num_query_blocks(bs), seq.num_key_blocks(bs))
+            importance = torch.zeros(shape, dtype=torch.float32, device=q.device)
+        else:
+            importance = self.block_importance(q, k, seq, scale)
+        selected = self.select_blocks(importance, seq)  # (B, Hkv, NQB, NKB)
         if window == 0:
             return BlockLayout(selected, bs)
         reach, inside = window_blocks(seq, bs, window)

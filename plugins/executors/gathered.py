@@ -1,0 +1,155 @@
+"""The split executor's gathered path: exact attention over a block layout with SDPA, per chunk of
+query rows over only the key blocks the chunk uses (the CPU's sparse path).
+
+Per chunk of ``query_chunk`` rows: the key blocks any row of the chunk computes (for any head and
+sample) are gathered (:func:`gather_keys`: views for one run of blocks, else one slice per run), and
+one SDPA call attends the chunk's rows over them with the exact mask: the layout's blocks for each
+row, causality, and the layout's token mask. The mask is built as SDPA's *additive* float mask
+(0 kept, ``-inf`` dropped) in these steps, each over the smallest tensor that needs it:
+
+* the rows' block flags over the gathered blocks, (B or 1, H, R, U) booleans, written once into
+  the float mask (R rows x U blocks x block size), broadcast over each block's keys;
+* causality only on the blocks that can hold a key after some row of the chunk (a suffix of the
+  gathered blocks: the chunk's diagonal);
+* the token mask, if any, over the whole mask;
+* rows that see no key (known at block level without a token mask): one key kept for SDPA, their
+  result zeroed.
+
+SDPA would convert a 4-D bool mask into a fresh float tensor itself, which on a CPU cost more than
+the attention; at inference the float mask is written into one buffer (:class:`MaskBuffer`) that the
+executor keeps across chunks, layers and calls (autograd calls allocate theirs: their masks are
+kept for the backward pass). Measured on the 2-core CPU machine (``docs/explanation/limitations.md``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from elasticfw.attention.layout import BlockLayout, expand_heads
+from elasticfw.attention.mode import AttentionOutput
+from elasticfw.attention.seq import SeqInfo
+
+__all__ = ["MaskBuffer", "gather_keys", "gathered_attention"]
+
+
+def gather_keys(
+    k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, bs: int, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the (ascending) key blocks ``ids``: views when they are one run of
+    consecutive blocks (every key included), else one concatenation of slices, one per run."""
+    blocks = [int(i) for i in ids.tolist()]
+    runs: list[tuple[int, int]] = []
+    for b in blocks:
+        if runs and runs[-1][1] == b * bs:
+            runs[-1] = (runs[-1][0], min((b + 1) * bs, capacity))
+        else:
+            runs.append((b * bs, min((b + 1) * bs, capacity)))
+    if len(runs) == 1:
+        a, z = runs[0]
+        return k[:, :, a:z], v[:, :, a:z]
+    return torch.cat([k[:, :, a:z] for a, z in runs], 2), torch.cat([v[:, :, a:z] for a, z in runs], 2)
+
+
+class MaskBuffer:
+    """One float tensor that the additive masks of inference calls are written into (grown as
+    needed), so that no chunk allocates (and, on a CPU, page-faults) a mask of its own."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, reuse: bool) -> torch.Tensor:
+        """An uninitialised tensor of ``shape``: a view of the buffer with ``reuse``, else a new one."""
+        if not reuse:
+            return torch.empty(shape, dtype=dtype, device=device)
+        numel = math.prod(shape)
+        buf = self._buffer
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = self._buffer = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel].view(shape)
+
+
+def gathered_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: BlockLayout,
+    seq: SeqInfo,
+    *,
+    scale: float,
+    need_lse: bool,
+    query_chunk: int,
+    buffer: MaskBuffer,
+) -> AttentionOutput:
+    """Exact attention over ``layout``, per chunk of ``query_chunk`` rows only over the key blocks it
+    uses (module docstring); ``q`` (B, Hq, Sq, D), ``k`` / ``v`` (B, Hkv, Sk, D)."""
+    batch, hq, sq, dim = q.shape
+    group = hq // k.shape[1]
+    bs = layout.block_size
+    dev = q.device
+    lay = expand_heads(layout, hq)  # 1 or Hq heads; a per-KV-head token mask sees query heads // group
+    heads = lay.num_heads
+    nqb, nkb = lay.blocks.shape[2], lay.blocks.shape[3]
+    # one mask for the whole batch when it cannot differ between samples (a 1-sample layout
+    # without token mask and one query start: a plain prefill), else one per sample
+    shared = lay.blocks.shape[0] == 1 and lay.token_mask is None and bool((seq.q_start == seq.q_start[0]).all())
+    mask_batch = 1 if shared else batch
+    blocks = lay.blocks.expand(mask_batch, heads, nqb, nkb)
+    q_start = seq.q_start[:mask_batch]
+    q_block0 = seq.q_block_start(bs)[:mask_batch]
+    b_idx = torch.arange(batch, device=dev)[:, None, None, None]
+    h_idx = torch.arange(heads, device=dev)[None, :, None, None]
+    offsets = torch.arange(bs, device=dev)
+    # inference: one float mask buffer for every chunk (nothing keeps a chunk's mask after its call)
+    reuse = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
+    ninf = torch.full((), -math.inf, dtype=q.dtype, device=dev)
+    zero = torch.zeros((), dtype=q.dtype, device=dev)
+    outs, lses = [], []
+    for start in range(0, sq, query_chunk):
+        rows = torch.arange(start, min(sq, start + query_chunk), device=dev)
+        n_rows = rows.shape[0]
+        pos = q_start[:, None] + rows[None, :]  # (B or 1, R)
+        t = (torch.div(pos, bs, rounding_mode="floor") - q_block0[:, None]).clamp(0, nqb - 1)
+        row_blocks = blocks.gather(2, t[:, None, :, None].expand(mask_batch, heads, n_rows, nkb))
+        used = row_blocks.any(2).any(1).any(0)  # (NKB,) key blocks any row of the chunk computes
+        used &= torch.arange(nkb, device=dev) * bs <= int(pos.max())  # no block past the last position
+        ids = used.nonzero().flatten()
+        qc = q[:, :, start : start + n_rows]
+        if ids.numel() == 0:
+            outs.append(torch.zeros_like(qc))
+            if need_lse:
+                lses.append(torch.full(qc.shape[:3], -math.inf, device=dev))
+            continue
+        kc, vc = gather_keys(k, v, ids, bs, seq.kv_capacity)
+        n_keys, n_blocks = kc.shape[2], ids.numel()
+        flags = row_blocks[..., ids]  # (B or 1, H, R, U): the rows' flags over the gathered blocks
+        mask5 = buffer.take((mask_batch, heads, n_rows, n_blocks, bs), q.dtype, dev, reuse)
+        torch.where(flags[..., None].expand(mask5.shape), zero, ninf, out=mask5)
+        # causality, on the blocks that may hold a key after some row of the chunk (ids ascend)
+        late = int(torch.searchsorted(ids * bs + bs - 1, pos.min().reshape(1), right=True)[0])
+        if late < n_blocks:
+            cols = ids[late:, None] * bs + offsets  # (U', bs)
+            mask5[:, :, :, late:].masked_fill_(cols > pos[:, None, :, None, None], -math.inf)
+        mask = mask5.view(mask_batch, heads, n_rows, n_blocks * bs)[..., :n_keys]  # a last block may be short
+        if lay.token_mask is not None:
+            cols = (ids[:, None] * bs + offsets).flatten()[:n_keys]
+            seen = lay.token_mask(b_idx, h_idx, pos[:, None, :, None], cols[None, None, None, :])
+            mask.masked_fill_(~seen, -math.inf)
+            empty = mask.eq(-math.inf).all(-1)  # (B, H, R) rows that see no key
+        else:  # a row sees a key of a block it selects iff the block's first key is causal for it
+            empty = ~(flags & (ids * bs <= pos[:, None, :, None])).any(-1)
+        has_empty = bool(empty.any())
+        if has_empty:  # give SDPA one key, zero the result
+            mask[..., 0].masked_fill_(empty, 0.0)
+        if n_keys < n_blocks * bs:
+            mask = mask.contiguous()
+        out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True)
+        outs.append(out.masked_fill(empty[..., None], 0.0) if has_empty else out)
+        if need_lse:
+            scores = torch.matmul(qc.float(), kc.float().repeat_interleave(group, 1).transpose(-1, -2)) * scale
+            lses.append(torch.logsumexp(scores + mask.float(), -1).masked_fill(empty, -math.inf))
+    if not outs:
+        return AttentionOutput(torch.zeros_like(q), torch.zeros(q.shape[:3], device=dev) if need_lse else None)
+    return AttentionOutput(torch.cat(outs, 2), torch.cat(lses, 2) if need_lse else None)

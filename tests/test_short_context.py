@@ -1,0 +1,200 @@
+"""Layouts that compute every causal pair (a data-dependent mode at a short context), and what the
+framework saves on them:
+
+* :func:`~elasticfw.attention.layout.computes_every_causal_pair` against the pair-level definition
+  (``dense_mask``, built token by token, against every causal pair of the real rows), over random
+  block layouts and row selections near the dense limit, with padding, chunked prefill and decode;
+* the split executor's gathered (CPU) path runs such a layout as one dense causal SDPA call, with the
+  reference executor's output, and keeps the gathered path otherwise;
+* NSA (``top_n``) and MoBA (``top_k``) at least as large as the key blocks skip their scoring, with
+  the very selection scoring would give (forced here) and the definition's: every causal block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import elasticfw_plugins.executors.split as split_module
+from elasticfw.attention.layout import BlockLayout, RowSelection, computes_every_causal_pair, dense_mask
+from elasticfw.attention.seq import SeqInfo
+from elasticfw.testing.modes import make_inputs, make_mode, reference_executor
+
+
+def _every_pair_by_definition(layout: BlockLayout, seq: SeqInfo, heads: int) -> bool:
+    """dense_mask (the layout's pairs, token by token) holds every causal pair of every real row."""
+    pos = seq.query_positions()[:, None, :, None]
+    j = torch.arange(seq.kv_capacity)[None, None, None, :]
+    causal = (j <= pos) & (pos < seq.kv_len[:, None, None, None])
+    return bool((dense_mask(layout, seq, num_heads=heads) | ~causal).all())
+
+
+SEQS = {
+    "prefill": lambda: SeqInfo.dense(2, 150, 150),
+    "padded": lambda: SeqInfo(torch.tensor([0, 0]), torch.tensor([150, 97]), 150, 150),
+    "chunk_unaligned": lambda: SeqInfo(torch.tensor([37, 50]), torch.tensor([170, 118]), 70, 170),
+    "decode": lambda: SeqInfo(torch.tensor([149, 96]), torch.tensor([150, 97]), 1, 150),
+}
+
+
+def _causal_table(seq: SeqInfo, rows: int, row_block: int, groups: int, group: int) -> torch.Tensor:
+    """(B, 1, rows, groups): flag row r selects every group up to its last position."""
+    first = torch.div(seq.q_start, row_block, rounding_mode="floor")[:, None, None]
+    last = (first + torch.arange(rows)[None, :, None] + 1) * row_block - 1
+    return (torch.arange(groups)[None, None, :] * group <= last)[:, None]
+
+
+@pytest.mark.parametrize("seq_name", list(SEQS))
+@pytest.mark.parametrize("kind", ["blocks", "per_token_rows", "block_rows_window", "narrow_table"])
+def test_every_causal_pair_matches_the_pair_definition(seq_name, kind):
+    seq = SEQS[seq_name]()
+    g = torch.Generator().manual_seed(sum(map(ord, seq_name + kind)))
+    bs, heads = 16, 4
+    answers = set()
+    for trial in range(12):
+        if kind == "blocks":
+            nqb, nkb = seq.num_query_blocks(bs), seq.num_key_blocks(bs)
+            table = _causal_table(seq, nqb, bs, nkb, bs).expand(seq.batch, heads, nqb, nkb).clone()
+            table |= torch.rand(table.shape, generator=g) < 0.3  # blocks past the diagonal change nothing
+            selection = None
+        else:
+            row_block = 1 if kind == "per_token_rows" else bs
+            rows = seq.num_query_blocks(row_block)
+            groups = math.ceil(seq.kv_capacity / 32) - (1 if kind == "narrow_table" else 0)
+            table = _causal_table(seq, rows, row_block, groups, 32).expand(seq.batch, heads, rows, groups).clone()
+            selection = table
+        if trial % 2:  # drop one entry: needed (a pair lost) or not (past a row's reach)
+            b, h, r, c = (int(torch.randint(n, (1,), generator=g)) for n in table.shape)
+            table[b, h, r, c] = False
+        if selection is None:
+            layout = BlockLayout(table, bs)
+        else:
+            window = 20 if kind == "block_rows_window" else 0
+            rs = RowSelection(table, 32, row_block=row_block, window=window)
+            from elasticfw.attention.pattern_layouts import row_selection_layout
+
+            base = row_selection_layout(table, seq, bs, key_block_size=32) if row_block == 1 else None
+            blocks = base.blocks if base is not None else torch.ones(seq.batch, heads, seq.num_query_blocks(bs),
+                                                                    seq.num_key_blocks(bs), dtype=torch.bool)
+
+            def token_mask(bi, hi, qp, kp, _t=table, _rb=row_block, _q0=seq.q_start, _w=window):  # the selection
+                row = (torch.div(qp, _rb, rounding_mode="floor") - torch.div(_q0[bi], _rb, rounding_mode="floor"))
+                row = row.clamp(0, _t.shape[2] - 1)
+                grp = torch.div(kp, 32, rounding_mode="floor").clamp(0, _t.shape[3] - 1)
+                chosen = _t[bi, hi, row, grp] & (kp < _t.shape[3] * 32)
+                return chosen | (kp > qp - _w) if _w else chosen
+
+            layout = BlockLayout(blocks, bs, token_mask, row_selection=rs)
+        got = computes_every_causal_pair(layout, seq)
+        want = _every_pair_by_definition(layout, seq, heads)
+        if kind == "block_rows_window" and not got:
+            assert not want or trial % 2  # the window is not counted: "no" may be conservative
+        else:
+            assert got == want, (trial, got, want)
+        answers.add(got)
+    if kind != "narrow_table":  # (a narrow table loses the pairs of rows that reach its missing group)
+        assert True in answers  # both answers were exercised
+    if kind in ("blocks", "per_token_rows"):
+        assert False in answers
+
+
+def test_other_token_masks_and_dense_causal():
+    seq = SeqInfo.dense(1, 64, 64)
+    every = torch.ones(1, 1, 4, 4, dtype=torch.bool)
+    assert computes_every_causal_pair(BlockLayout(every, 16, dense_causal=True), seq)
+    assert computes_every_causal_pair(BlockLayout(every, 16), seq)
+    assert not computes_every_causal_pair(BlockLayout(every, 16, lambda b, h, q, k: q >= 0), seq)  # not decided
+    assert not computes_every_causal_pair(BlockLayout(every.tril(-1), 16), seq)  # no diagonal block
+
+
+def _split_calls(monkeypatch):
+    calls = []
+    ex = split_module.SplitExecutor(split_module.SplitConfig())
+    real_dense, real_gathered = ex.dense, ex.gathered
+    monkeypatch.setattr(ex, "dense", lambda *a, **kw: calls.append("dense") or real_dense(*a, **kw))
+    monkeypatch.setattr(ex, "gathered", lambda *a, **kw: calls.append("gathered") or real_gathered(*a, **kw))
+    return ex, calls
+
+
+@pytest.mark.parametrize("name, overrides", [
+    ("moba", {"moba_block_size": 32, "top_k": 8, "block_size": 16}),
+    ("nsa", {"block_size": 16, "compress_kernel": 8, "compress_stride": 4, "top_n": 16, "window": 32}),
+])
+def test_split_runs_every_pair_layouts_as_one_dense_call(name, overrides, monkeypatch):
+    q, k, v, seq = make_inputs((2, 4, 2, 160, 160, 16))
+    layout = make_mode(name, overrides).build_layout(q, k, seq)
+    assert not layout.dense_causal and computes_every_causal_pair(layout, seq)
+    ex, calls = _split_calls(monkeypatch)
+    with torch.no_grad():
+        got = ex.attend(q, k, v, layout, seq, scale=0.25, need_lse=False).out
+        want = reference_executor().attend(q, k, v, layout, seq, scale=0.25).out
+        assert calls == ["dense"]
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+        with_lse = ex.attend(q, k, v, layout, seq, scale=0.25, need_lse=True)  # SDPA gives no lse: gathered
+        assert calls == ["dense", "gathered"] and with_lse.lse is not None
+        sparse = make_mode(name, {**overrides, **({"top_k": 2} if name == "moba" else {"top_n": 4})})
+        layout = sparse.build_layout(q, k, seq)
+        assert not computes_every_causal_pair(layout, seq)
+        got = ex.attend(q, k, v, layout, seq, scale=0.25, need_lse=False).out
+        assert calls == ["dense", "gathered", "gathered"]
+        torch.testing.assert_close(got, reference_executor().attend(q, k, v, layout, seq, scale=0.25).out,
+                                   rtol=2e-5, atol=2e-5)
+
+
+def _causal_blocks(seq: SeqInfo, bs: int, nkb: int) -> torch.Tensor:
+    """(B, NQB, NKB): the key blocks at or before each layout row's position block."""
+    return torch.arange(nkb)[None, None, :] <= seq.query_block_positions(bs)[:, :, None]
+
+
+@pytest.mark.parametrize("granularity", ["block", "token"])
+def test_nsa_selecting_every_block_skips_scoring(granularity, monkeypatch):
+    from elasticfw_plugins.modes import nsa as nsa_module
+
+    q, k, _, seq = make_inputs((2, 4, 2, 150, 150, 16), kv_lens=[150, 97])
+    cfg = {"block_size": 16, "compress_kernel": 8, "compress_stride": 4, "top_n": 10, "window": 24,
+           "query_granularity": granularity}
+    mode = make_mode("nsa", cfg)
+    assert mode.selects_every_block(seq)  # 10 key blocks
+    scored = []
+    for name in ("block_importance", "row_importance"):
+        real = getattr(nsa_module.NSAAttention, name)
+        monkeypatch.setattr(nsa_module.NSAAttention, name,
+                            lambda self, *a, _r=real, **kw: scored.append(1) or _r(self, *a, **kw))
+    with torch.no_grad():
+        fast = mode.build_layout(q, k, seq)
+        assert scored == []
+        monkeypatch.setattr(nsa_module.NSAAttention, "selects_every_block", lambda self, seq: False)
+        slow = mode.build_layout(q, k, seq)
+        assert scored
+    assert torch.equal(fast.row_selection.selected, slow.row_selection.selected)
+    assert torch.equal(fast.blocks, slow.blocks) and torch.equal(fast.partial_blocks(), slow.partial_blocks())
+    if granularity == "block":
+        assert torch.equal(fast.row_selection.selected, _causal_blocks(seq, 16, 10)[:, None].expand(2, 2, -1, -1))
+    assert not make_mode("nsa", {**cfg, "top_n": 9}).selects_every_block(seq)
+
+
+@pytest.mark.parametrize("granularity", ["block", "token"])
+def test_moba_selecting_every_block_skips_gating(granularity, monkeypatch):
+    from elasticfw_plugins.modes import moba as moba_module
+
+    q, k, _, seq = make_inputs((2, 4, 2, 150, 150, 16), kv_lens=[150, 97])
+    mode = make_mode("moba", {"moba_block_size": 32, "top_k": 5, "block_size": 16, "query_granularity": granularity})
+    assert mode.selects_every_block(5) and not mode.selects_every_block(6)
+    gated = []
+    real = moba_module.gate_scores
+    monkeypatch.setattr(moba_module, "gate_scores", lambda *a: gated.append(1) or real(*a))
+    with torch.no_grad():
+        fast = mode.build_layout(q, k, seq)
+        assert gated == []
+        monkeypatch.setattr(moba_module.MobaAttention, "selects_every_block", lambda self, n: False)
+        slow = mode.build_layout(q, k, seq)
+        assert gated
+    assert torch.equal(fast.blocks, slow.blocks) and torch.equal(fast.partial_blocks(), slow.partial_blocks())
+    if granularity == "token":
+        assert torch.equal(fast.row_selection.selected, slow.row_selection.selected)
+        current = torch.div(seq.query_positions(), 32, rounding_mode="floor")  # every block up to the row's own
+        want = (torch.arange(5)[None, None, :] <= current[:, :, None]) & seq.query_valid()[:, :, None]
+        assert torch.equal(fast.row_selection.selected, want[:, None].expand(2, 4, -1, -1))
+    assert computes_every_causal_pair(fast, seq)
