@@ -71,3 +71,33 @@ def test_passkey_full_vs_streaming_vs_retrieval_score(smollm2):
     # keeping the retrieval-score heads full recovers the needle that all-streaming loses (measured:
     # 3/3); comparing with streaming's accuracy, asserted to be 0 above, could not fail
     assert retrieval["accuracy"] >= 2 / 3
+
+
+def test_demo_cpu_times_every_sparse_mode_and_short_contexts_answer_as_full(tmp_path):
+    """``tools/bench_targets.py demo-cpu --modes`` on the real model (one sample at the demo's 1,440
+    tokens): a row per variant with its seconds over full's. At this length NSA's top-n and MoBA's
+    top-k cover every key block (ESR 0), so those variants compute what full attention computes and
+    greedy decoding gives full's very completion; streaming skips pairs (ESR above 0)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "bench_targets.py"
+    spec = importlib.util.spec_from_file_location("bench_targets", path)
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    args = ["demo-cpu", "--out", str(tmp_path), "--samples", "1", "--rounds", "1", "--modes", "nsa", "moba"]
+    assert tool.main(args) == 0
+    report = json.loads((tmp_path / "demo_cpu.json").read_text())
+    rows = {r["label"]: r for r in report["rows"]}
+    assert set(rows) == {"full", "all-streaming", "all-nsa", "all-moba"}
+    assert set(report["over_full"]) == {"all-streaming", "all-nsa", "all-moba"}
+    for label in ("all-nsa", "all-moba"):
+        assert rows[label]["esr"] == 0 and rows[label]["completions"] == rows["full"]["completions"], label
+        assert report["over_full"][label] == rows[label]["seconds"] / rows["full"]["seconds"]
+    assert rows["all-streaming"]["esr"] > 0.3
+    from elasticfw.errors import RecipeError
+
+    with pytest.raises(RecipeError, match="elastic.sparse_mode.name = .no_such_mode."):
+        tool.main([*args[:-2], "no_such_mode"])

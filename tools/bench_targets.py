@@ -56,7 +56,9 @@ full attention vs every head streaming with sink 64 / local 256), ``--executor``
 ``split``, the old file used ``sdpa``), into ``demo_cpu.json``: ``--rounds`` (default 2) runs of
 each variant, the first variant alternating between rounds, seconds summed over the rounds (each
 round's in ``round_seconds``: on the 2-core machine one run of each gave ratios from 0.94 to 1.06
-in three runs of unchanged CPU code, more than the difference measured). ``targets`` reads every JSON under
+in three runs of unchanged CPU code, more than the difference measured); ``--modes xattention moba
+nsa`` adds every head in each of those modes (``over_full``: each variant's seconds over full's).
+``targets`` reads every JSON under
 ``--out`` (:func:`elasticfw.bench.targets.build_targets`) and writes ``targets.json``: copy a
 ``demo_cpu.json`` measured on the CPU machine into the folder first.
 """
@@ -173,15 +175,24 @@ def demo_cpu(args: argparse.Namespace) -> int:
     data["eval"]["task"]["num_samples"] = args.samples
     recipe = validate_recipe_data(data)
     registry = get_registry()
+    # the variants: (router, sparse mode section); --modes adds every head in each other sparse mode
+    variants: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
+        label: (router, data["elastic"]["sparse_mode"]) for label, router in VARIANTS.items()
+    }
+    for mode in args.modes:
+        section = {"name": mode, "block_size": data["elastic"]["sparse_mode"]["block_size"]}
+        validate_recipe_data({**data, "elastic": {**data["elastic"], "sparse_mode": section}})  # a clear error first
+        variants[f"all-{mode}"] = (VARIANTS["all-streaming"], section)
     model, tokenizer = load_model(recipe.model)
     task = registry.make("task", recipe.eval.task)
     samples = task.samples(tokenizer, seed=recipe.seed)
     rows: dict[str, dict[str, Any]] = {}
     for round_ in range(args.rounds):
         # alternate which variant runs first, so that neither always takes a slow start or a slow end
-        order = list(VARIANTS.items()) if round_ % 2 == 0 else list(reversed(VARIANTS.items()))
-        for label, router in order:
-            section = validate_recipe_data({**data, "elastic": {**data["elastic"], "router": router}}).elastic
+        order = list(variants.items()) if round_ % 2 == 0 else list(reversed(variants.items()))
+        for label, (router, sparse_mode) in order:
+            elastic_data = {**data["elastic"], "router": router, "sparse_mode": sparse_mode}
+            section = validate_recipe_data({**data, "elastic": elastic_data}).elastic
             elastic = make_elastic(model, tokenizer, section, seed=recipe.seed)
             try:
                 result = evaluate(elastic, tokenizer, task, samples, batch_size=recipe.eval.batch_size,
@@ -190,7 +201,8 @@ def demo_cpu(args: argparse.Namespace) -> int:
                 elastic.unwrap()
             summary = result.summary()
             row = rows.setdefault(label, {"label": label, **summary, "seconds": 0.0, "round_seconds": [],
-                                          "tokens": [r.tokens for r in result.results]})
+                                          "tokens": [r.tokens for r in result.results],
+                                          "completions": [r.completion for r in result.results]})
             if summary["accuracy"] != row["accuracy"]:  # greedy decoding: every round answers the same
                 raise RuntimeError(f"demo-cpu: {label} scored {summary['accuracy']} in round {round_ + 1}, "
                                    f"{row['accuracy']} before")
@@ -199,6 +211,7 @@ def demo_cpu(args: argparse.Namespace) -> int:
             print(f"[demo-cpu] round {round_ + 1}, {label}: {summary['seconds']:.1f} s, accuracy "
                   f"{summary['accuracy']:.2f}, ESR {summary['esr']:.3f}", flush=True)
     secs = {label: r["seconds"] for label, r in rows.items()}
+    full_rounds = rows["full"]["round_seconds"]
     report = {
         "benchmark": "demo_cpu",
         "executor": args.executor,
@@ -208,12 +221,17 @@ def demo_cpu(args: argparse.Namespace) -> int:
         "environment": environment(torch.device("cpu")),
         "rows": list(rows.values()),
         "all_streaming_over_full": secs["all-streaming"] / secs["full"],
-        "round_ratios": [s / f for s, f in zip(rows["all-streaming"]["round_seconds"], rows["full"]["round_seconds"])],
+        "round_ratios": [s / f for s, f in zip(rows["all-streaming"]["round_seconds"], full_rounds)],
+        "over_full": {label: secs[label] / secs["full"] for label in variants if label != "full"},
+        "round_ratios_over_full": {label: [s / f for s, f in zip(rows[label]["round_seconds"], full_rounds)]
+                                   for label in variants if label != "full"},
     }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / args.name
     path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"[demo-cpu] all-streaming / full = {report['all_streaming_over_full']:.3f}; wrote {path}")
+    for label, ratio in report["over_full"].items():
+        print(f"[demo-cpu] {label} / full = {ratio:.3f}")
+    print(f"[demo-cpu] wrote {path}")
     return 0
 
 
@@ -248,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--samples", type=int, default=20)
     d.add_argument("--rounds", type=_positive, default=2,
                    help="runs of each variant, alternating which goes first; seconds are summed over them")
+    d.add_argument("--modes", nargs="*", default=[],
+                   help="also every head in each of these sparse modes (their defaults, 64-token blocks): all-<mode>")
     d.set_defaults(func=demo_cpu)
     t = sub.add_parser("targets", help="targets.json from the JSONs under --out")
     t.add_argument("--out", type=Path, default=Path("results/bench/issue10"))
