@@ -45,6 +45,7 @@ tile: already cheap).
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -130,24 +131,26 @@ class MobaAttention(AttentionMode):
 
     def build_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> BlockLayout:
         seq.check(q, k)
-        means = key_block_means(k, seq, self.config.moba_block_size)
+        num_blocks = math.ceil(k.shape[2] / self.config.moba_block_size)  # as key_block_means cuts them
         if self.config.query_granularity == "token":
-            return self._token_layout(q, means, seq)
-        return self._block_layout(q, means, seq)
+            return self._token_layout(q, k, seq, num_blocks)
+        return self._block_layout(q, k, seq, num_blocks)
 
     # -- granularity "token" ------------------------------------------------------------------
-    def _token_layout(self, q: torch.Tensor, means: torch.Tensor, seq: SeqInfo) -> BlockLayout:
+    def _token_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, nmb: int) -> BlockLayout:
         cfg = self.config
         moba = cfg.moba_block_size
         batch, hq, sq, _ = q.shape
-        nmb = means.shape[2]
+        backend = self.planning_backend(q, nmb)  # a pinned planner that cannot run fails, at every length
+        current = torch.div(seq.query_positions(), moba, rounding_mode="floor").clamp(0, nmb - 1)  # (B, Sq)
+        real = seq.query_valid()  # (B, Sq): padding rows select nothing
         if self.selects_every_block(nmb):  # every block up to the row's own, whatever the gates: no gating
-            self.planning_backend(q, nmb)  # a pinned planner that cannot run still fails, at every length
-            current = torch.div(seq.query_positions(), moba, rounding_mode="floor").clamp(0, nmb - 1)
             blocks = torch.arange(nmb, device=q.device)
-            selected = (blocks <= current[:, None, :, None]) & seq.query_valid()[:, None, :, None]
-            return row_selection_layout(selected.expand(batch, hq, sq, nmb), seq, cfg.block_size, key_block_size=moba)
-        if self.planning_backend(q, nmb) == "triton":
+            selected = (blocks <= current[:, None, :, None]) & real[:, None, :, None]
+            return row_selection_layout(selected.expand(batch, hq, sq, nmb).contiguous(), seq, cfg.block_size,
+                                        key_block_size=moba)
+        means = key_block_means(k, seq, moba)
+        if backend == "triton":
             from elasticfw.kernels.moba_select import moba_token_selection_triton
 
             selected, union, common = moba_token_selection_triton(
@@ -156,8 +159,6 @@ class MobaAttention(AttentionMode):
             return row_selection_layout_from_tiles(
                 selected, union, common, seq, cfg.block_size, key_block_size=moba
             )
-        current = torch.div(seq.query_positions(), moba, rounding_mode="floor").clamp(0, nmb - 1)  # (B, Sq)
-        real = seq.query_valid()  # (B, Sq): padding rows select nothing
         selected = torch.zeros(batch, hq, sq, nmb, dtype=torch.bool, device=q.device)
         for start in range(0, sq, GATE_CHUNK):
             rows = slice(start, min(sq, start + GATE_CHUNK))
@@ -167,18 +168,19 @@ class MobaAttention(AttentionMode):
         return row_selection_layout(selected, seq, cfg.block_size, key_block_size=moba)
 
     # -- granularity "block" ------------------------------------------------------------------
-    def _block_layout(self, q: torch.Tensor, means: torch.Tensor, seq: SeqInfo) -> BlockLayout:
+    def _block_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, nmb: int) -> BlockLayout:
         cfg = self.config
         moba, bs = cfg.moba_block_size, cfg.block_size
         batch, hq = q.shape[:2]
-        nmb = means.shape[2]
-        grid, valid = query_grid(q.float(), seq, bs)
         current = torch.div(seq.query_block_positions(bs) * bs, moba, rounding_mode="floor").clamp(0, nmb - 1)
         if self.selects_every_block(nmb):  # every block up to the tile's own, whatever the gates: no gating
+            _, valid = query_grid(q[:, :1, :, :0], seq, bs)  # which grid rows are real queries
             blocks = torch.arange(nmb, device=q.device)
             selected = (blocks <= current[:, None, :, None]).expand(batch, hq, -1, nmb).clone()
         else:
+            grid, valid = query_grid(q.float(), seq, bs)
             pooled = pool_tiles(grid, valid, bs, "mean")  # (B, Hq, NQB, D): the mean of each tile's real queries
+            means = key_block_means(k, seq, moba)
             selected = select_blocks(gate_scores(pooled, means), current[:, None].expand(batch, hq, -1), cfg.top_k)
         occupied = valid.view(batch, -1, bs).any(-1)
         selected &= occupied[:, None, :, None]  # tiles without a real query compute nothing

@@ -334,7 +334,8 @@ class NSAAttention(AttentionMode):
         selected = torch.zeros(batch, hkv, sq, seq.num_key_blocks(bs), dtype=torch.bool, device=q.device)
         current = torch.div(seq.query_positions(), bs, rounding_mode="floor")  # (B, Sq)
         if self.selects_every_block(seq):  # no scoring: any importance selects every causal block
-            return top_n_blocks(torch.zeros(selected.shape, device=q.device), current[:, None, :, None], self.config)
+            blocks = torch.arange(selected.shape[-1], device=q.device)
+            return (blocks <= current[:, None, :, None]).expand(selected.shape).contiguous()
         for rows, per_row in self.row_importance(q, k, seq, scale):
             selected[:, :, rows] = top_n_blocks(per_row, current[:, None, rows, None], self.config)
         return selected
@@ -358,11 +359,10 @@ class NSAAttention(AttentionMode):
         bs, window = cfg.block_size, cfg.window
         if self.selects_every_block(seq):  # no scoring: any importance selects every causal block
             self.scoring_backend(q, k)  # a pinned scorer that cannot run still fails, at every length
-            shape = (q.shape[0], k.shape[1], seq.num_query_blocks(bs), seq.num_key_blocks(bs))
-            importance = torch.zeros(shape, dtype=torch.float32, device=q.device)
+            q_blocks, k_blocks = block_grid(seq, bs)
+            selected = (k_blocks <= q_blocks)[:, None].expand(q.shape[0], k.shape[1], -1, -1).contiguous()
         else:
-            importance = self.block_importance(q, k, seq, scale)
-        selected = self.select_blocks(importance, seq)  # (B, Hkv, NQB, NKB)
+            selected = self.select_blocks(self.block_importance(q, k, seq, scale), seq)  # (B, Hkv, NQB, NKB)
         if window == 0:
             return BlockLayout(selected, bs)
         reach, inside = window_blocks(seq, bs, window)
