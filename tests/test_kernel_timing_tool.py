@@ -1,6 +1,7 @@
-"""``tools/sparse_kernel_timing.py`` (run on a GPU by a session, where a crash costs device time) on
-the CPU under Triton's interpreter, its CUDA timing and inputs replaced: every row and note it
-promises is written, the Triton and torch work lists agree, and the compact lists are smaller."""
+"""Timing tools that sessions run: ``tools/sparse_kernel_timing.py`` (on a GPU, where a crash costs
+device time) on the CPU under Triton's interpreter, its CUDA timing and inputs replaced: every row
+and note it promises is written, the Triton and torch work lists agree, and the compact lists are
+smaller; ``tools/cpu_layer_timing.py`` at a tiny size: a row per phase and mode with the layout's ESR."""
 
 from __future__ import annotations
 
@@ -54,3 +55,21 @@ def test_sparse_kernel_timing_writes_every_row(tmp_path, monkeypatch):
         assert notes[f"{mode}: triton work lists equal torch's"] == 1.0
         assert 0 < notes[f"{mode}: compact lists, MB"] < notes[f"{mode}: dense lists, MB"]
     assert bsa.TRITON_WORK_LISTS is True  # the tool puts the module's default back
+
+
+def test_cpu_layer_timing_writes_a_row_per_phase_and_mode(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import cpu_layer_timing as tool
+
+    out = tmp_path / "layers.json"
+    args = ["--batch", "1", "--tokens", "200", "--repeats", "1", "--modes", "full", "streaming", "nsa",
+            "--sdpa-masks", "--json", str(out)]
+    assert tool.main(args) == 0
+    report = json.loads(out.read_text())
+    assert set(report["ms"]) == {f"{p} {m}" for p in ("prefill", "decode") for m in ("full", "streaming", "nsa")}
+    assert report["ms"]["prefill full"]["esr"] == 0 and report["ms"]["prefill nsa"]["esr"] == 0  # 4 blocks
+    assert report["ms"]["prefill streaming"]["esr"] == 0  # 200 tokens: inside sink + window
+    assert all(row["plan"] > 0 and row["attend"] > 0 for row in report["ms"].values())
+    assert len(report["sdpa_masks_ms"]) == 3
+    with pytest.raises(SystemExit):
+        tool.main(["--tokens", "1"])

@@ -434,8 +434,9 @@ def _block_sparse_kernel(
 #: XAttention's lists 0.99 ms against 10.0, NSA's 0.31 against 3.0 (``results/bench/issue10-s10/``)
 TRITON_WORK_LISTS = True
 #: :func:`plan_work` builds the compact form of the lists (:class:`WorkPlan`) when the dense form would
-#: take more bytes than this: 2 GiB, so up to 128K tokens (1.07 GB for 32 heads of 64-row tiles over
-#: 64-key chunks, the largest measured) the dense form, whose timings are the measured ones, stays
+#: take more bytes than this: 2 GiB. Up to 128K tokens (1.07 GB for 32 heads of 64-row tiles over 64-key
+#: chunks, the largest measured) the dense form stays: its timings are the measured ones; the compact
+#: form is not yet timed on a GPU
 COMPACT_LISTS_ABOVE = 2 * 2**30
 #: K and V through TMA tensor descriptors where their strides allow (:func:`kv_descriptor`), on
 #: GPUs of compute capability 9 or more and under the interpreter
