@@ -198,3 +198,28 @@ def test_moba_selecting_every_block_skips_gating(granularity, monkeypatch):
         want = (torch.arange(5)[None, None, :] <= current[:, :, None]) & seq.query_valid()[:, :, None]
         assert torch.equal(fast.row_selection.selected, want[:, None].expand(2, 4, -1, -1))
     assert computes_every_causal_pair(fast, seq)
+
+
+def test_split_decides_every_pair_once_per_reusable_layout(monkeypatch):
+    """A reusable layout (one object for every layer of a forward) is checked once per SeqInfo
+    signature; a layout built per call is checked at every call; both answers stay right."""
+    import dataclasses
+
+    calls = []
+    real = split_module.computes_every_causal_pair
+    monkeypatch.setattr(split_module, "computes_every_causal_pair", lambda *a: calls.append(1) or real(*a))
+    q, k, v, _ = make_inputs((1, 4, 2, 160, 160, 16))
+    seq = SeqInfo.dense(1, 160, 160)  # lengths known on the host: the runtime's reusable layouts
+    stream = make_mode("streaming", {"block_size": 16, "sink_tokens": 16, "local_tokens": 32})
+    layout = dataclasses.replace(stream.build_layout(q, k, seq), reusable=True)
+    ex = split_module.SplitExecutor(split_module.SplitConfig())
+    want = reference_executor().attend(q, k, v, layout, seq, scale=0.25).out
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(ex.attend(q, k, v, layout, seq, scale=0.25, need_lse=False).out, want,
+                                       rtol=2e-5, atol=2e-5)
+        assert len(calls) == 1
+        every = make_mode("moba", {"moba_block_size": 32, "top_k": 8, "block_size": 16}).build_layout(q, k, seq)
+        for _ in range(2):
+            ex.attend(q, k, v, every, seq, scale=0.25, need_lse=False)
+        assert len(calls) == 3

@@ -7,7 +7,8 @@ At the default model's attention shape (SmolLM2-135M: 9 query heads, 3 KV heads,
 the CPU demo's batch (4 samples of 1,440 tokens, float32), on the attention benchmark's structured
 q/k (:func:`elasticfw.bench.inputs.structured_qkv`), each mode with its defaults at 64-token blocks
 (streaming: the demo's sink 64 / local 256): the median milliseconds of ``--repeats`` calls of
-``build_layout`` (``plan``) and of ``SplitExecutor.attend`` over that layout (``attend``), for the
+``build_layout`` (``plan``) and of ``SplitExecutor.attend`` over that layout (``attend``; a layout
+that depends only on the lengths marked reusable, as the runtime hands it to every layer), for the
 prefill and for one decode step (the last query over every key), with the layout's ESR.
 ``--sdpa-masks`` also times one dense SDPA layer with ``is_causal``, with a 4-D bool mask and with a
 4-D float mask written into a reused buffer (what the gathered path's mask costs). ``--json FILE``
@@ -17,6 +18,7 @@ writes the figures with the environment.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -98,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in args.modes:
                 mode = make_mode(name, MODES[name])
                 layout = mode.build_layout(qq, k, seq)
+                if not mode.layout_depends_on_inputs:  # as the runtime hands it to every layer of a forward
+                    layout = dataclasses.replace(layout, reusable=True)
                 row = {
                     "plan": _timed(lambda m=mode, a=qq, s=seq: m.build_layout(a, k, s), args.repeats),
                     "attend": _timed(lambda a=qq, s=seq, lay=layout: split.attend(a, k, v, lay, s, scale=0.125,

@@ -15,10 +15,13 @@ row, causality, and the layout's token mask. The mask is built as SDPA's *additi
 * rows that see no key (known at block level without a token mask): one key kept for SDPA, their
   result zeroed.
 
-SDPA would convert a 4-D bool mask into a fresh float tensor itself, which on a CPU cost more than
-the attention; at inference the float mask is written into one buffer (:class:`MaskBuffer`) that the
-executor keeps across chunks, layers and calls (autograd calls allocate theirs: their masks are
-kept for the backward pass). Measured on the 2-core CPU machine (``docs/explanation/limitations.md``).
+SDPA would convert a 4-D bool mask into a fresh float tensor itself: on the 2-core CPU machine a
+dense masked layer at the default model's shape (B 4, 9 heads, 1,440 tokens) took 297.8 ms with a
+bool mask against 182.5 with a float mask written into a reused buffer, conversion included
+(``tools/cpu_layer_timing.py --sdpa-masks``, ``results/bench/issue10-s11/cpu_layers.json``). So at
+inference the float mask is written into one buffer (:class:`MaskBuffer`) that the executor keeps
+across chunks, layers and calls (autograd calls allocate theirs: their masks are kept for the
+backward pass).
 """
 
 from __future__ import annotations
@@ -152,4 +155,6 @@ def gathered_attention(
             lses.append(torch.logsumexp(scores + mask.float(), -1).masked_fill(empty, -math.inf))
     if not outs:
         return AttentionOutput(torch.zeros_like(q), torch.zeros(q.shape[:3], device=dev) if need_lse else None)
+    if len(outs) == 1:  # one chunk (a decode step): no copy
+        return AttentionOutput(outs[0], lses[0] if need_lse else None)
     return AttentionOutput(torch.cat(outs, 2), torch.cat(lses, 2) if need_lse else None)
