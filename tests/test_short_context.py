@@ -73,11 +73,7 @@ def test_every_causal_pair_matches_the_pair_definition(seq_name, kind):
         else:
             window = 20 if kind == "block_rows_window" else 0
             rs = RowSelection(table, 32, row_block=row_block, window=window)
-            from elasticfw.attention.pattern_layouts import row_selection_layout
-
-            base = row_selection_layout(table, seq, bs, key_block_size=32) if row_block == 1 else None
-            blocks = base.blocks if base is not None else torch.ones(seq.batch, heads, seq.num_query_blocks(bs),
-                                                                    seq.num_key_blocks(bs), dtype=torch.bool)
+            blocks = torch.ones(seq.batch, heads, seq.num_query_blocks(bs), seq.num_key_blocks(bs), dtype=torch.bool)
 
             def token_mask(bi, hi, qp, kp, _t=table, _rb=row_block, _q0=seq.q_start, _w=window):  # the selection
                 row = (torch.div(qp, _rb, rounding_mode="floor") - torch.div(_q0[bi], _rb, rounding_mode="floor"))
