@@ -139,11 +139,6 @@ def test_split_runs_every_pair_layouts_as_one_dense_call(name, overrides, monkey
                                    rtol=2e-5, atol=2e-5)
 
 
-def _causal_blocks(seq: SeqInfo, bs: int, nkb: int) -> torch.Tensor:
-    """(B, NQB, NKB): the key blocks at or before each layout row's position block."""
-    return torch.arange(nkb)[None, None, :] <= seq.query_block_positions(bs)[:, :, None]
-
-
 @pytest.mark.parametrize("granularity", ["block", "token"])
 def test_nsa_selecting_every_block_skips_scoring(granularity, monkeypatch):
     from elasticfw_plugins.modes import nsa as nsa_module
@@ -167,7 +162,8 @@ def test_nsa_selecting_every_block_skips_scoring(granularity, monkeypatch):
     assert torch.equal(fast.row_selection.selected, slow.row_selection.selected)
     assert torch.equal(fast.blocks, slow.blocks) and torch.equal(fast.partial_blocks(), slow.partial_blocks())
     if granularity == "block":
-        assert torch.equal(fast.row_selection.selected, _causal_blocks(seq, 16, 10)[:, None].expand(2, 2, -1, -1))
+        every = _causal_table(seq, seq.num_query_blocks(16), 16, 10, 16)  # the definition: every causal block
+        assert torch.equal(fast.row_selection.selected, every.expand(2, 2, -1, -1))
     assert not make_mode("nsa", {**cfg, "top_n": 9}).selects_every_block(seq)
 
 
@@ -177,14 +173,15 @@ def test_moba_selecting_every_block_skips_gating(granularity, monkeypatch):
 
     q, k, _, seq = make_inputs((2, 4, 2, 150, 150, 16), kv_lens=[150, 97])
     mode = make_mode("moba", {"moba_block_size": 32, "top_k": 5, "block_size": 16, "query_granularity": granularity})
-    assert mode.selects_every_block(5) and not mode.selects_every_block(6)
+    assert mode.num_blocks(seq) == 5 and mode.selects_every_block(seq)  # 150 keys in blocks of 32
+    assert not make_mode("moba", {"moba_block_size": 32, "top_k": 4, "block_size": 16}).selects_every_block(seq)
     gated = []
     real = moba_module.gate_scores
     monkeypatch.setattr(moba_module, "gate_scores", lambda *a: gated.append(1) or real(*a))
     with torch.no_grad():
         fast = mode.build_layout(q, k, seq)
         assert gated == []
-        monkeypatch.setattr(moba_module.MobaAttention, "selects_every_block", lambda self, n: False)
+        monkeypatch.setattr(moba_module.MobaAttention, "selects_every_block", lambda self, seq: False)
         slow = mode.build_layout(q, k, seq)
         assert gated
     assert torch.equal(fast.blocks, slow.blocks) and torch.equal(fast.partial_blocks(), slow.partial_blocks())

@@ -123,15 +123,19 @@ class MobaAttention(AttentionMode):
 
         return choose_backend(self.config.planner, q.device, why_not, mode="moba", field="planner", label="MoBA")
 
-    def selects_every_block(self, num_blocks: int) -> bool:
-        """Whether ``top_k`` is at least the ``num_blocks`` MoBA blocks: every block up to a query's
-        own is then selected whatever the gates, and the layouts skip gating (the same selection,
-        exactly)."""
-        return self.config.top_k >= num_blocks
+    def num_blocks(self, seq: SeqInfo) -> int:
+        """The MoBA blocks of ``seq``'s keys (as :func:`key_block_means` cuts them)."""
+        return math.ceil(seq.kv_capacity / self.config.moba_block_size)
+
+    def selects_every_block(self, seq: SeqInfo) -> bool:
+        """Whether ``top_k`` is at least the MoBA blocks of ``seq``: every block up to a query's own
+        is then selected whatever the gates, and the layouts skip gating (the same selection,
+        exactly; NSA's method of the same name decides the same for ``top_n``)."""
+        return self.config.top_k >= self.num_blocks(seq)
 
     def build_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> BlockLayout:
         seq.check(q, k)
-        num_blocks = math.ceil(k.shape[2] / self.config.moba_block_size)  # as key_block_means cuts them
+        num_blocks = self.num_blocks(seq)
         if self.config.query_granularity == "token":
             return self._token_layout(q, k, seq, num_blocks)
         return self._block_layout(q, k, seq, num_blocks)
@@ -144,7 +148,7 @@ class MobaAttention(AttentionMode):
         backend = self.planning_backend(q, nmb)  # a pinned planner that cannot run fails, at every length
         current = torch.div(seq.query_positions(), moba, rounding_mode="floor").clamp(0, nmb - 1)  # (B, Sq)
         real = seq.query_valid()  # (B, Sq): padding rows select nothing
-        if self.selects_every_block(nmb):  # every block up to the row's own, whatever the gates: no gating
+        if self.selects_every_block(seq):  # every block up to the row's own, whatever the gates: no gating
             blocks = torch.arange(nmb, device=q.device)
             selected = (blocks <= current[:, None, :, None]) & real[:, None, :, None]
             return row_selection_layout(selected.expand(batch, hq, sq, nmb).contiguous(), seq, cfg.block_size,
@@ -173,7 +177,7 @@ class MobaAttention(AttentionMode):
         moba, bs = cfg.moba_block_size, cfg.block_size
         batch, hq = q.shape[:2]
         current = torch.div(seq.query_block_positions(bs) * bs, moba, rounding_mode="floor").clamp(0, nmb - 1)
-        if self.selects_every_block(nmb):  # every block up to the tile's own, whatever the gates: no gating
+        if self.selects_every_block(seq):  # every block up to the tile's own, whatever the gates: no gating
             _, valid = query_grid(q[:, :1, :, :0], seq, bs)  # which grid rows are real queries
             blocks = torch.arange(nmb, device=q.device)
             selected = (blocks <= current[:, None, :, None]).expand(batch, hq, -1, nmb).clone()
