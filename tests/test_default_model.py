@@ -96,6 +96,8 @@ def test_demo_cpu_times_every_sparse_mode_and_short_contexts_answer_as_full(tmp_
     for label in ("all-nsa", "all-moba"):
         assert rows[label]["esr"] == 0 and rows[label]["completions"] == rows["full"]["completions"], label
         assert report["over_full"][label] == rows[label]["seconds"] / rows["full"]["seconds"]
+        assert report["round_ratios_over_full"][label] == [rows[label]["round_seconds"][0]
+                                                           / rows["full"]["round_seconds"][0]]
     assert rows["all-streaming"]["esr"] > 0.3
     from elasticfw.errors import RecipeError
 

@@ -221,7 +221,6 @@ def demo_cpu(args: argparse.Namespace) -> int:
         "environment": environment(torch.device("cpu")),
         "rows": list(rows.values()),
         "all_streaming_over_full": secs["all-streaming"] / secs["full"],
-        "round_ratios": [s / f for s, f in zip(rows["all-streaming"]["round_seconds"], full_rounds)],
         "over_full": {label: secs[label] / secs["full"] for label in variants if label != "full"},
         "round_ratios_over_full": {label: [s / f for s, f in zip(rows[label]["round_seconds"], full_rounds)]
                                    for label in variants if label != "full"},
