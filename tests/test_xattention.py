@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from mode_definitions.xattention import token_reference
+from mode_definitions.xattention import brute_mass, token_reference
 from pydantic import ValidationError
 
 from elasticfw.attention.layout import dense_mask
@@ -128,6 +128,33 @@ def test_layout_matches_token_definition_other_configs(config, shape):
     expected = token_reference(q, k, seq, mode.config)
     rows = real_rows(seq).expand_as(mask)
     assert not ((mask != expected) & rows).any()
+
+
+@pytest.mark.parametrize(
+    "q_len, kv_len",
+    [(72, 72), (70, 70), (44, 76), (64, 64)],
+    ids=["tail_whole_strides", "tail_partial_stride", "aligned_suffix", "whole_blocks"],
+)
+def test_layout_on_host_dense_queries_matches_token_definition(q_len, kv_len, monkeypatch):
+    """Host-dense queries (``SeqInfo.dense``) starting on the block grid are read in place, the
+    last block's missing rows left out of the matmul when they are whole strides (72: 8 rows of
+    block 4, 44: 12 of block 2), zero-filled otherwise (70): the layout meets the definition and
+    the grid builder runs only when rows must be filled."""
+    import elasticfw.attention.patterns as patterns
+
+    grids = []
+    real_grid = patterns.query_grid
+    monkeypatch.setattr(patterns, "query_grid", lambda *a, **kw: grids.append(1) or real_grid(*a, **kw))
+    q, k, _, _ = make_inputs((2, 4, 2, q_len, kv_len, 16), seed=3)
+    seq = SeqInfo.dense(2, q_len, kv_len)
+    config = {"block_size": 16, "stride": 4, "threshold": 0.6}
+    layout = _layout(q, k, seq, **config)
+    expected = token_reference(q, k, seq, make_mode("xattention", config).config)
+    assert torch.equal(dense_mask(layout, seq, num_heads=4), expected)
+    assert bool(grids) == (q_len == 70)
+    grids.clear()
+    mass = block_mass(q, k, seq, block_size=16, stride=4)
+    torch.testing.assert_close(mass.double(), brute_mass(q, k, seq, 16, 4), rtol=1e-5, atol=1e-6)
 
 
 # -- threshold behaviour ---------------------------------------------------------------------

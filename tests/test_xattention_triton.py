@@ -17,14 +17,14 @@ Without CUDA the kernels run under Triton's interpreter (tests/conftest.py sets
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 import elasticfw.kernels as kernels_module
 
 pytest.importorskip("triton")
+
+from mode_definitions.xattention import brute_mass
 
 from elasticfw.attention.patterns import antidiagonal_mass, iter_antidiagonal_mass
 from elasticfw.attention.seq import SeqInfo
@@ -54,45 +54,6 @@ def _select_triton(mass, row_block, threshold, **kw):
 
 
 # -- brute force ---------------------------------------------------------------------------------
-
-
-def _brute_mass(q, k, seq, block_size, stride, scale=None):
-    """(B, Hq, NQB, NKB) float64 from the definition, one strided row at a time."""
-    q, k = q.double().cpu(), k.double().cpu()
-    batch, hq, q_len, dim = q.shape
-    hkv = k.shape[1]
-    group = hq // hkv
-    bs, s = block_size, stride
-    g = bs // s
-    nqb, nkb = seq.num_query_blocks(bs), seq.num_key_blocks(bs)
-    scale = (1.0 / math.sqrt(dim) if scale is None else scale) / s
-    out = torch.zeros(batch, hq, nqb, nkb, dtype=torch.float64)
-    for b in range(batch):
-        q_start, kv_len = int(seq.q_start[b]), int(seq.kv_len[b])
-        keys = torch.zeros(hkv, nkb * bs, dim, dtype=torch.float64)
-        keys[:, :kv_len] = k[b, :, :kv_len]  # keys past kv_len are zero vectors
-        first = q_start // bs
-        for t in range(nqb):
-            for j in range(g):
-                m = (first + t) * g + j  # absolute strided row
-                rows = torch.zeros(hq, s, dim, dtype=torch.float64)
-                real = False
-                for i in range(s):
-                    pos = m * s + i
-                    if q_start <= pos < q_start + q_len and pos < kv_len:
-                        rows[:, i] = q[b, :, pos - q_start]
-                        real = True
-                if not real:
-                    continue
-                n_keys = m + 1  # strided causal: n <= m
-                # tile[h, n, i] = k[n*s + s-1-i]: the antidiagonal partner of query row m*s + i
-                tile = keys[:, : n_keys * s].reshape(hkv, n_keys, s, dim).flip(2)
-                scores = torch.einsum("kgid,knid->kgn", rows.view(hkv, group, s, dim), tile).reshape(hq, n_keys)
-                p = torch.softmax(scores * scale, dim=-1)
-                pad = -n_keys % g
-                per_block = torch.nn.functional.pad(p, (0, pad)).view(hq, -1, g).sum(-1)
-                out[b, :, t, : per_block.shape[1]] += per_block
-    return out
 
 
 def _inputs(seq, hq, hkv, dim, dtype, seed=0):
@@ -148,7 +109,7 @@ def test_mass_matches_reference_and_brute_force(name, passes):
     ref = antidiagonal_mass(q, k, seq, block_size=bs, stride=s, chunk_size=chunk, scale=scale)
     assert got.shape == ref.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
-    brute = _brute_mass(q, k, seq, bs, s, scale)
+    brute = brute_mass(q, k, seq, bs, s, scale)
     torch.testing.assert_close(got.cpu().double(), brute, rtol=1e-5, atol=1e-6)
 
 
@@ -166,7 +127,7 @@ def test_running_max_rising_in_every_key_tile(passes):
     got = _triton_mass(q, k, seq, passes=passes, **kw)
     ref = antidiagonal_mass(q, k, seq, block_size=16, stride=4, chunk_size=64)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(got.cpu().double(), _brute_mass(q, k, seq, 16, 4, None), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.cpu().double(), brute_mass(q, k, seq, 16, 4, None), rtol=1e-5, atol=1e-6)
 
 
 def test_chunks_match_the_reference_iterator():

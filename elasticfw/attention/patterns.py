@@ -305,18 +305,29 @@ def antidiagonal_scores(q: torch.Tensor, k: torch.Tensor, stride: int) -> torch.
 
     ``q`` (B, Hq, Rq, D) and ``k`` (B, Hkv, Rk, D) with ``Rq``, ``Rk`` multiples of ``stride`` and
     ``Hq`` a multiple of ``Hkv`` (query head ``h`` reads KV head ``h // (Hq // Hkv)``); returns
-    (B, Hq, Rq/S, Rk/S). One matmul: queries reversed within each stride tile and concatenated,
-    keys concatenated, so the concatenated dot product walks the tile's antidiagonal.
+    (B, Hq, Rq/S, Rk/S). One matmul: keys reversed within each stride tile and concatenated,
+    queries concatenated, so the concatenated dot product walks the tile's antidiagonal.
     """
-    batch, hq, rq, dim = q.shape
-    hkv, rk = k.shape[1], k.shape[2]
+    rq, rk = q.shape[2], k.shape[2]
     if rq % stride or rk % stride:
         raise ValueError(f"antidiagonal_scores: lengths {rq}, {rk} must be multiples of stride {stride}")
-    group = _check_group(hq, hkv, "antidiagonal_scores")
-    qr = q.float().reshape(batch, hq, rq // stride, stride, dim).flip(3)
-    qr = qr.reshape(batch, hkv, group * (rq // stride), stride * dim)
-    kr = k.float().reshape(batch, hkv, rk // stride, stride * dim)
-    return torch.matmul(qr, kr.transpose(-1, -2)).view(batch, hq, rq // stride, rk // stride)
+    _check_group(q.shape[1], k.shape[1], "antidiagonal_scores")
+    return _antidiagonal_matmul(q, _reversed_key_tiles(k, stride), stride)
+
+
+def _reversed_key_tiles(k: torch.Tensor, stride: int) -> torch.Tensor:
+    """(B, Hkv, Rk/S, S*D) float32: each stride tile of keys reversed and concatenated (the keys,
+    with fewer heads than the queries, are the cheaper side to reverse)."""
+    batch, hkv, rk, dim = k.shape
+    return k.float().reshape(batch, hkv, rk // stride, stride, dim).flip(3).reshape(batch, hkv, rk // stride, -1)
+
+
+def _antidiagonal_matmul(q: torch.Tensor, k_rev: torch.Tensor, stride: int) -> torch.Tensor:
+    """:func:`antidiagonal_scores` of ``q`` over keys already given as :func:`_reversed_key_tiles`."""
+    batch, hq, rq, dim = q.shape
+    hkv = k_rev.shape[1]
+    qr = q.float().reshape(batch, hkv, (hq // hkv) * (rq // stride), stride * dim)
+    return torch.matmul(qr, k_rev.transpose(-1, -2)).view(batch, hq, rq // stride, k_rev.shape[2])
 
 
 def _triton_antidiagonal_mass(
@@ -367,20 +378,32 @@ def iter_antidiagonal_mass(
     nqb, nkb = seq.num_query_blocks(bs), seq.num_key_blocks(bs)
     rows_per_chunk = max(1, chunk_size // bs)
     cap = nkb * bs
-    keys = torch.nn.functional.pad(k.float(), (0, 0, 0, cap - k.shape[2]))
-    key_ok = torch.arange(cap, device=k.device)[None, :] < seq.kv_len[:, None]
-    keys = torch.where(key_ok[:, None, :, None], keys, torch.zeros((), device=k.device))
+    keys = torch.nn.functional.pad(k.float(), (0, 0, 0, cap - k.shape[2])) if cap > k.shape[2] else k.float()
+    if seq.host_signature() is None:  # keys past kv_len may be padding (a host-dense SeqInfo has none)
+        key_ok = torch.arange(cap, device=k.device)[None, :] < seq.kv_len[:, None]
+        keys = torch.where(key_ok[:, None, :, None], keys, torch.zeros((), device=k.device))
+    keys = _reversed_key_tiles(keys, s)  # (B, Hkv, cap/S, S*D), reversed once for every chunk
+    # queries that are the last q_len positions from the tile grid (known on the host) are read in
+    # place, the chunk's missing rows (past q_len) left out of the matmul instead of zero-filled
+    in_place = seq.host_signature() is not None and (seq.kv_capacity - seq.q_len) % bs == 0
     qbs = seq.q_block_start(bs)  # (B,)
     scale = _scale(scale, q.shape[-1]) / s  # the call's scale, over the stride
     dev = q.device
     for t0 in range(0, nqb, rows_per_chunk):
         t1 = min(nqb, t0 + rows_per_chunk)
         n_rows = (t1 - t0) * bs
-        qc, valid = query_grid(q.float(), seq, bs, (t0, t1))
+        short = min(seq.q_len - t0 * bs, n_rows)  # rows of the chunk holding queries, when in place
+        if in_place and short % s == 0:
+            qc = q[:, :, t0 * bs : t0 * bs + short]
+            valid = (torch.arange(n_rows, device=dev) < short)[None, :].expand(batch, n_rows)
+        else:
+            qc, valid = query_grid(q, seq, bs, (t0, t1))
         # keys beyond the chunk's last causal block are never needed
         kb_end = int(min(nkb, int((qbs + t1).max().item()))) if batch else 0
         kb_end = max(kb_end, 1)
-        scores = antidiagonal_scores(qc, keys[:, :, : kb_end * bs], s)  # (B, Hq, R/S, K/S)
+        scores = _antidiagonal_matmul(qc, keys[:, :, : kb_end * bs // s], s)  # (B, Hq, R/S or fewer, K/S)
+        if scores.shape[2] < n_rows // s:  # the rows past q_len: zero scores (no real row, weight 0 below)
+            scores = torch.nn.functional.pad(scores, (0, 0, 0, n_rows // s - scores.shape[2]))
         scores.mul_(scale)
         pos = (qbs[:, None] + t0) * bs + torch.arange(n_rows, device=dev)[None, :]  # (B, R)
         m_abs = pos[:, ::s] // s  # (B, R/S) strided row index

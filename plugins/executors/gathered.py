@@ -35,7 +35,7 @@ from elasticfw.attention.layout import BlockLayout, expand_heads
 from elasticfw.attention.mode import AttentionOutput
 from elasticfw.attention.seq import SeqInfo
 
-__all__ = ["MaskBuffer", "gather_keys", "gathered_attention"]
+__all__ = ["BLOCK_ROWS_COST", "MaskBuffer", "block_rows_attention", "gather_keys", "gathered_attention"]
 
 
 def gather_keys(
@@ -74,6 +74,99 @@ class MaskBuffer:
         return buf[:numel].view(shape)
 
 
+#: the block-rows path's cost per computed tile, in units of the chunked path's: its K/V gather
+#: copies every key block once per query block computing it (calibrated on the 2-core CPU machine,
+#: module docstring)
+BLOCK_ROWS_COST = 1.6
+
+#: bytes of gathered keys and values one block-rows SDPA call may hold (larger groups are split)
+BLOCK_ROWS_CALL_BYTES = 4 << 20
+
+
+def causal_block_flags(lay: BlockLayout, seq: SeqInfo) -> torch.Tensor:
+    """(B, H or 1, NQB, NKB) bool: the layout's blocks holding a causal pair for some query of the
+    row (key block ``<=`` the row's position block ``q_block_start + t``)."""
+    nqb, nkb = lay.blocks.shape[2], lay.blocks.shape[3]
+    dev = lay.blocks.device
+    row_block = seq.q_block_start(lay.block_size)[:, None] + torch.arange(nqb, device=dev)[None, :]  # (B, NQB)
+    return lay.blocks & (torch.arange(nkb, device=dev) <= row_block[:, None, :, None])
+
+
+def chunked_and_exact_tiles(flags: torch.Tensor, rows_per_chunk: int, batch: int, heads: int) -> tuple[int, int]:
+    """(tiles the chunked path computes, tiles the layout computes) for :func:`causal_block_flags`
+    ``flags``: per chunk of ``rows_per_chunk`` query blocks the chunked path computes every key
+    block that any sample or head of the chunk uses, for all of them."""
+    exact = int(flags.sum()) * (batch // flags.shape[0]) * (heads // flags.shape[1])
+    nqb = flags.shape[2]
+    used = flags.any(1).any(0)  # (NQB, NKB)
+    union = sum(
+        int(used[t : t + rows_per_chunk].any(0).sum()) * min(rows_per_chunk, nqb - t)
+        for t in range(0, nqb, rows_per_chunk)
+    )
+    return union * batch * heads, exact
+
+
+def block_rows_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flags: torch.Tensor, seq: SeqInfo, *, block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """Exact attention of queries starting on the block grid (every ``q_start`` a multiple of
+    ``block_size``) over a block layout: every (sample, head, query block) over exactly the key
+    blocks it computes, ``flags`` (B or 1, Hq or 1, NQB, NKB) from :func:`causal_block_flags`.
+
+    The query blocks computing the same number of key blocks form one SDPA call (split to hold at
+    most :data:`BLOCK_ROWS_CALL_BYTES` of keys and values): their key blocks gathered in ascending
+    order, so that a query block's diagonal block (its own position block), when it computes it,
+    is its last one, and one causal mask over that last block serves the whole call; a call of
+    query blocks without their diagonal needs no mask. A query block computing no key block gives
+    zeros, as the chunked path does for rows seeing no key. Query rows past ``q_len`` and keys past
+    the capacity are zero padding, masked by causality wherever a real row could reach them."""
+    batch, hq, sq, dim = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    bs = block_size
+    nqb, nkb = flags.shape[2], flags.shape[3]
+    dev = q.device
+    pad_q, pad_k = nqb * bs - sq, nkb * bs - k.shape[2]
+    q_tiles = (F.pad(q, (0, 0, 0, pad_q)) if pad_q else q).reshape(batch * hq * nqb, bs, dim)
+    k_tiles = (F.pad(k, (0, 0, 0, pad_k)) if pad_k else k).reshape(batch * hkv * nkb, bs * dim)
+    v_tiles = (F.pad(v, (0, 0, 0, pad_k)) if pad_k else v).reshape(batch * hkv * nkb, bs * dim)
+    flat = flags.expand(batch, hq, nqb, nkb).reshape(-1, nkb)
+    counts = flat.sum(-1)  # (R,) key blocks of each (sample, head, query block)
+    row = torch.arange(flat.shape[0], device=dev)
+    t = row % nqb
+    b, h = row // (hq * nqb), (row // nqb) % hq
+    kv_first = (b * hkv + h // group) * nkb  # the row's first key tile in k_tiles
+    diagonal = seq.q_block_start(bs)[b] + t
+    out = q_tiles.new_empty(q_tiles.shape)
+    tril = torch.ones(bs, bs, dtype=torch.bool, device=dev).triu(1)
+    for n_blocks, n_rows in enumerate(torch.bincount(counts, minlength=nkb + 1).tolist()):
+        if n_rows == 0:
+            continue
+        rows = (counts == n_blocks).nonzero().flatten()
+        if n_blocks == 0:
+            out.index_fill_(0, rows, 0.0)
+            continue
+        ids = flat.index_select(0, rows).nonzero()[:, 1].view(-1, n_blocks)  # ascending per row
+        with_diagonal = ids[:, -1] == diagonal.index_select(0, rows)
+        per_call = max(1, BLOCK_ROWS_CALL_BYTES // (2 * n_blocks * bs * dim * q.element_size()))
+        mask = torch.zeros(bs, n_blocks * bs, dtype=q.dtype, device=dev)
+        mask[:, -bs:].masked_fill_(tril, -math.inf)
+        for side in (with_diagonal, ~with_diagonal):
+            part_rows, part_ids = rows[side], ids[side]
+            for a in range(0, part_rows.shape[0], per_call):
+                r, i = part_rows[a : a + per_call], part_ids[a : a + per_call]
+                tiles = (kv_first.index_select(0, r)[:, None] + i).flatten()
+                kc = k_tiles.index_select(0, tiles).view(r.shape[0], 1, n_blocks * bs, dim)
+                vc = v_tiles.index_select(0, tiles).view(r.shape[0], 1, n_blocks * bs, dim)
+                qc = q_tiles.index_select(0, r).view(r.shape[0], 1, bs, dim)
+                o = F.scaled_dot_product_attention(
+                    qc, kc, vc, attn_mask=mask if side is with_diagonal else None, scale=scale
+                )
+                out.index_copy_(0, r, o.view(r.shape[0], bs, dim))
+    return out.view(batch, hq, nqb * bs, dim)[:, :, :sq]
+
+
 def gathered_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -107,6 +200,12 @@ def gathered_attention(
     offsets = torch.arange(bs, device=dev)
     # inference: one float mask buffer for every chunk (nothing keeps a chunk's mask after its call)
     reuse = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
+    if lay.token_mask is None and not need_lse and reuse and sq > 1 and bool((seq.q_start % bs == 0).all()):
+        flags = causal_block_flags(lay, seq)
+        chunked, exact = chunked_and_exact_tiles(flags, -(-query_chunk // bs), batch, hq)
+        if exact * BLOCK_ROWS_COST < chunked:
+            out = block_rows_attention(q, k, v, flags, seq, block_size=bs, scale=scale)
+            return AttentionOutput(out, None)
     ninf = torch.full((), -math.inf, dtype=q.dtype, device=dev)
     zero = torch.zeros((), dtype=q.dtype, device=dev)
     outs, lses = [], []

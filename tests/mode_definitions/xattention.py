@@ -97,6 +97,46 @@ def token_reference(q, k, seq, config, scale=None):
     return out & causal(seq, hq)
 
 
+def brute_mass(q, k, seq, block_size, stride, scale=None):
+    """(B, Hq, NQB, NKB) float64: steps 2-4 (the mass, per query head) from the definition, one
+    strided row at a time."""
+    q, k = q.double().cpu(), k.double().cpu()
+    batch, hq, q_len, dim = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    bs, s = block_size, stride
+    g = bs // s
+    nqb, nkb = seq.num_query_blocks(bs), seq.num_key_blocks(bs)
+    scale = (1.0 / math.sqrt(dim) if scale is None else scale) / s
+    out = torch.zeros(batch, hq, nqb, nkb, dtype=torch.float64)
+    for b in range(batch):
+        q_start, kv_len = int(seq.q_start[b]), int(seq.kv_len[b])
+        keys = torch.zeros(hkv, nkb * bs, dim, dtype=torch.float64)
+        keys[:, :kv_len] = k[b, :, :kv_len]  # keys past kv_len are zero vectors
+        first = q_start // bs
+        for t in range(nqb):
+            for j in range(g):
+                m = (first + t) * g + j  # absolute strided row
+                rows = torch.zeros(hq, s, dim, dtype=torch.float64)
+                real = False
+                for i in range(s):
+                    pos = m * s + i
+                    if q_start <= pos < q_start + q_len and pos < kv_len:
+                        rows[:, i] = q[b, :, pos - q_start]
+                        real = True
+                if not real:
+                    continue
+                n_keys = m + 1  # strided causal: n <= m
+                # tile[h, n, i] = k[n*s + s-1-i]: the antidiagonal partner of query row m*s + i
+                tile = keys[:, : n_keys * s].reshape(hkv, n_keys, s, dim).flip(2)
+                scores = torch.einsum("kgid,knid->kgn", rows.view(hkv, group, s, dim), tile).reshape(hq, n_keys)
+                p = torch.softmax(scores * scale, dim=-1)
+                pad = -n_keys % g
+                per_block = torch.nn.functional.pad(p, (0, pad)).view(hq, -1, g).sum(-1)
+                out[b, :, t, : per_block.shape[1]] += per_block
+    return out
+
+
 DEFINITION = dict(
     small_config={"block_size": 16, "stride": 4, "threshold": 0.9},
     dense_config={"block_size": 16, "stride": 4, "threshold": 1.0},
