@@ -1,15 +1,19 @@
-"""The gathered path's block-rows form (``elasticfw_plugins.executors.gathered``): every (sample,
-head, query block) over exactly the key blocks it computes, one SDPA call per count of key blocks.
+"""Two forms of the gathered path (``elasticfw_plugins.executors.gathered``) beside its chunks:
+block rows (every (sample, head, query block) over exactly the key blocks it computes, one SDPA
+call per count of key blocks) and one row (a decode step by two matmuls over every key).
 
 Checked against softmax attention in float64 written here from the layout's definition (a pair is
 computed when its block is set, the key is causal and real), on inputs where each thing it
 handles differs: per-sample query starts on the block grid, a padded last query block, a key
 capacity that is not a whole number of blocks, padded keys, query blocks that compute nothing or
 not their diagonal, layouts of one, KV and query heads, GQA, calls split to a byte budget; then
-which calls the executor sends to it (the tile counts it decides on, by hand).
+which calls the executor sends to it (the tile counts it decides on, by hand). The one-row form
+the same way, with its log-sum-exp.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -186,3 +190,76 @@ def test_executor_keeps_the_chunked_path_for_a_shared_window(monkeypatch):
         got = SplitExecutor(SplitConfig(query_chunk=3 * BS)).attend(q, k, v, layout, seq, scale=0.25, need_lse=False).out
     assert not calls
     assert rel_rms(got, _definition(q, k, v, layout.blocks, seq, 0.25)) < TOLERANCE[torch.float32]
+
+
+def _definition_lse(q, k, blocks, seq, scale):
+    """(B, Hq, 1) float64 log-sum-exp of one query row per sample over the pairs the layout computes."""
+    batch, hq, _, _ = q.shape
+    hkv = k.shape[1]
+    if blocks.shape[1] not in (1, hq):
+        blocks = blocks.repeat_interleave(hq // blocks.shape[1], 1)
+    blocks = blocks.expand(batch, hq, *blocks.shape[2:])
+    lse = torch.full((batch, hq, 1), -math.inf, dtype=torch.float64)
+    for b in range(batch):
+        p, kv_len = int(seq.q_start[b]), int(seq.kv_len[b])
+        for h in range(hq):
+            keys = [j for j in range(k.shape[2]) if j <= p and j < kv_len and bool(blocks[b, h, 0, j // BS])]
+            if keys:
+                s = (k[b, h // (hq // hkv), keys].double() @ q[b, h, 0].double()) * scale
+                lse[b, h, 0] = torch.logsumexp(s, 0)
+    return lse
+
+
+# name: (SeqInfo, Hq, Hkv, heads of the layout (0: one), dtype)
+ONE_ROW = {
+    "host_dense": (lambda: SeqInfo.dense(2, 1, 83), 4, 2, 4, torch.float32),
+    # a padded batch's decode step: sample 1's keys past 61 are padding
+    "padded": (lambda: SeqInfo(torch.tensor([82, 60]), torch.tensor([83, 61]), 1, 83), 6, 2, 2, torch.float32),
+    "one_layout": (lambda: SeqInfo.dense(3, 1, 64), 2, 1, 0, torch.float32),
+    "bf16": (lambda: SeqInfo(torch.tensor([70, 40]), torch.tensor([71, 41]), 1, 80), 4, 1, 4, torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("name", list(ONE_ROW))
+def test_one_row_matches_the_definition(name):
+    make_seq, hq, hkv, heads, dtype = ONE_ROW[name]
+    seq = make_seq()
+    batch, cap = seq.batch, seq.kv_capacity
+    q, k, v = _qkv(batch, hq, hkv, 1, cap, dtype, seed=2)
+    blocks = _blocks(batch if heads else 1, heads or 1, 1, seq.num_key_blocks(BS), seed=7)
+    blocks[..., 0, 0] = True
+    if heads:
+        blocks[-1, -1, 0] = False  # one head of the last sample reads nothing
+    layout = BlockLayout(blocks, BS)
+    with torch.no_grad():
+        got = gathered.one_row_attention(q, k, v, expand_heads(layout, hq), seq, scale=0.3, need_lse=True)
+    want = _definition(q, k, v, blocks, seq, 0.3)
+    assert got.out.dtype == dtype and rel_rms(got.out, want) < TOLERANCE[dtype]
+    want_lse = _definition_lse(q, k, blocks, seq, 0.3)
+    assert torch.equal(torch.isneginf(got.lse), torch.isneginf(want_lse))
+    finite = torch.isfinite(want_lse)
+    torch.testing.assert_close(got.lse[finite].double(), want_lse[finite], rtol=0, atol=1e-4)
+    if heads:
+        assert not got.out[-1, -1].any()
+
+
+def test_decode_takes_one_row_where_most_blocks_are_read(monkeypatch):
+    """A decode step reading most key blocks goes to the one-row form (meeting the definition); one
+    reading a window of them, or recording autograd, stays on the chunked path."""
+    calls = []
+    real = gathered.one_row_attention
+    monkeypatch.setattr(gathered, "one_row_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    seq = SeqInfo.dense(2, 1, 160)
+    q, k, v = _qkv(2, 4, 2, 1, 160)
+    ex = SplitExecutor()
+    most = torch.ones(2, 4, 1, 10, dtype=torch.bool)
+    most[:, :, :, 3:6] = False  # 7 of 10 blocks
+    window = torch.zeros(1, 1, 1, 10, dtype=torch.bool)
+    window[..., 7:] = True  # 3 of 10
+    with torch.no_grad():
+        got = ex.attend(q, k, v, BlockLayout(most, BS), seq, scale=0.25, need_lse=False).out
+        assert len(calls) == 1 and rel_rms(got, _definition(q, k, v, most, seq, 0.25)) < TOLERANCE[torch.float32]
+        got = ex.attend(q, k, v, BlockLayout(window, BS), seq, scale=0.25, need_lse=False).out
+        assert len(calls) == 1 and rel_rms(got, _definition(q, k, v, window, seq, 0.25)) < TOLERANCE[torch.float32]
+    ex.attend(q.requires_grad_(True), k, v, BlockLayout(most, BS), seq, scale=0.25, need_lse=False)
+    assert len(calls) == 1

@@ -72,17 +72,20 @@ def test_hand_computed_mass_and_selection():
 # -- antidiagonal estimate against loops -------------------------------------------------------
 
 
-def test_antidiagonal_scores_match_brute_force():
+@pytest.mark.parametrize("q_len", [24, 8], ids=["keys_reversed", "queries_reversed"])
+def test_antidiagonal_scores_match_brute_force(q_len):
+    """Either side reversed (the smaller one: 6 x 24 query rows against 2 x 32 keys, then 6 x 8)."""
     g = torch.Generator().manual_seed(1)
     s = 4
-    q = torch.randn(2, 6, 24, 5, generator=g)
+    q = torch.randn(2, 6, q_len, 5, generator=g)
     k = torch.randn(2, 2, 32, 5, generator=g)
     got = antidiagonal_scores(q, k, s)
-    assert got.shape == (2, 6, 6, 8)
-    expected = torch.zeros(2, 6, 6, 8, dtype=torch.float64)
+    rows = q_len // s
+    assert got.shape == (2, 6, rows, 8)
+    expected = torch.zeros(2, 6, rows, 8, dtype=torch.float64)
     for b in range(2):
         for h in range(6):
-            for m in range(6):
+            for m in range(rows):
                 for n in range(8):
                     total = 0.0
                     for i in range(s):
@@ -132,14 +135,16 @@ def test_layout_matches_token_definition_other_configs(config, shape):
 
 @pytest.mark.parametrize(
     "q_len, kv_len",
-    [(72, 72), (70, 70), (44, 76), (64, 64)],
-    ids=["tail_whole_strides", "tail_partial_stride", "aligned_suffix", "whole_blocks"],
+    [(72, 72), (70, 70), (44, 76), (64, 64), (1, 70)],
+    ids=["tail_whole_strides", "tail_partial_stride", "aligned_suffix", "whole_blocks", "decode"],
 )
 def test_layout_on_host_dense_queries_matches_token_definition(q_len, kv_len, monkeypatch):
     """Host-dense queries (``SeqInfo.dense``) starting on the block grid are read in place, the
     last block's missing rows left out of the matmul when they are whole strides (72: 8 rows of
     block 4, 44: 12 of block 2), zero-filled otherwise (70): the layout meets the definition and
-    the grid builder runs only when rows must be filled."""
+    the grid builder runs only when rows must be filled. The decode step too: one query, dotted with
+    each strided key's antidiagonal partner, no grid (a capacity of 70 keys padded to 72 for the
+    strides)."""
     import elasticfw.attention.patterns as patterns
 
     grids = []

@@ -305,29 +305,39 @@ def antidiagonal_scores(q: torch.Tensor, k: torch.Tensor, stride: int) -> torch.
 
     ``q`` (B, Hq, Rq, D) and ``k`` (B, Hkv, Rk, D) with ``Rq``, ``Rk`` multiples of ``stride`` and
     ``Hq`` a multiple of ``Hkv`` (query head ``h`` reads KV head ``h // (Hq // Hkv)``); returns
-    (B, Hq, Rq/S, Rk/S). One matmul: keys reversed within each stride tile and concatenated,
-    queries concatenated, so the concatenated dot product walks the tile's antidiagonal.
+    (B, Hq, Rq/S, Rk/S). One matmul: one side reversed within each stride tile (the smaller: the
+    keys at a prefill, the queries at a decode step) and both concatenated, so the concatenated dot
+    product walks the tile's antidiagonal.
     """
     rq, rk = q.shape[2], k.shape[2]
     if rq % stride or rk % stride:
         raise ValueError(f"antidiagonal_scores: lengths {rq}, {rk} must be multiples of stride {stride}")
     _check_group(q.shape[1], k.shape[1], "antidiagonal_scores")
-    return _antidiagonal_matmul(q, _reversed_key_tiles(k, stride), stride)
+    if _reverse_queries(q, k.shape[1], rk):
+        return _antidiagonal_matmul(_stride_tiles(q, stride, reverse=True), _stride_tiles(k, stride), q.shape[1])
+    return _antidiagonal_matmul(_stride_tiles(q, stride), _stride_tiles(k, stride, reverse=True), q.shape[1])
 
 
-def _reversed_key_tiles(k: torch.Tensor, stride: int) -> torch.Tensor:
-    """(B, Hkv, Rk/S, S*D) float32: each stride tile of keys reversed and concatenated (the keys,
-    with fewer heads than the queries, are the cheaper side to reverse)."""
-    batch, hkv, rk, dim = k.shape
-    return k.float().reshape(batch, hkv, rk // stride, stride, dim).flip(3).reshape(batch, hkv, rk // stride, -1)
+def _reverse_queries(q: torch.Tensor, hkv: int, n_keys: int) -> bool:
+    """Whether the queries are the smaller side to reverse (fewer rows x heads than the keys)."""
+    return q.shape[1] * q.shape[2] <= hkv * n_keys
 
 
-def _antidiagonal_matmul(q: torch.Tensor, k_rev: torch.Tensor, stride: int) -> torch.Tensor:
-    """:func:`antidiagonal_scores` of ``q`` over keys already given as :func:`_reversed_key_tiles`."""
-    batch, hq, rq, dim = q.shape
-    hkv = k_rev.shape[1]
-    qr = q.float().reshape(batch, hkv, (hq // hkv) * (rq // stride), stride * dim)
-    return torch.matmul(qr, k_rev.transpose(-1, -2)).view(batch, hq, rq // stride, k_rev.shape[2])
+def _stride_tiles(x: torch.Tensor, stride: int, *, reverse: bool = False) -> torch.Tensor:
+    """(B, H, R, D) -> (B, H, R/S, S*D) float32: each stride tile of rows concatenated, reversed
+    within the tile with ``reverse`` (a copy; a view of float32 contiguous rows otherwise)."""
+    batch, heads, rows, dim = x.shape
+    tiles = x.float().reshape(batch, heads, rows // stride, stride, dim)
+    return (tiles.flip(3) if reverse else tiles).reshape(batch, heads, rows // stride, stride * dim)
+
+
+def _antidiagonal_matmul(q_tiles: torch.Tensor, k_tiles: torch.Tensor, hq: int) -> torch.Tensor:
+    """(B, Hq, Rq/S, Rk/S): :func:`_stride_tiles` of the queries (Hq heads) against those of the
+    keys (Hkv heads), one side reversed: one matmul per KV head, its query heads stacked."""
+    batch, _, mq, width = q_tiles.shape
+    hkv = k_tiles.shape[1]
+    qr = q_tiles.reshape(batch, hkv, (hq // hkv) * mq, width)
+    return torch.matmul(qr, k_tiles.transpose(-1, -2)).view(batch, hq, mq, k_tiles.shape[2])
 
 
 def _triton_antidiagonal_mass(
@@ -377,17 +387,23 @@ def iter_antidiagonal_mass(
     batch = q.shape[0]
     nqb, nkb = seq.num_query_blocks(bs), seq.num_key_blocks(bs)
     rows_per_chunk = max(1, chunk_size // bs)
-    cap = nkb * bs
-    keys = torch.nn.functional.pad(k.float(), (0, 0, 0, cap - k.shape[2])) if cap > k.shape[2] else k.float()
+    # keys to a whole number of strides (the strided keys past the capacity are after every position:
+    # always masked, so the scores get them as padding columns below instead of zero keys here)
+    n_cap = -(-seq.kv_capacity // s) * s
+    keys = k.float() if n_cap == k.shape[2] else torch.nn.functional.pad(k.float(), (0, 0, 0, n_cap - k.shape[2]))
     if seq.host_signature() is None:  # keys past kv_len may be padding (a host-dense SeqInfo has none)
-        key_ok = torch.arange(cap, device=k.device)[None, :] < seq.kv_len[:, None]
+        key_ok = torch.arange(n_cap, device=k.device)[None, :] < seq.kv_len[:, None]
         keys = torch.where(key_ok[:, None, :, None], keys, torch.zeros((), device=k.device))
-    keys = _reversed_key_tiles(keys, s)  # (B, Hkv, cap/S, S*D), reversed once for every chunk
+    scale = _scale(scale, q.shape[-1]) / s  # the call's scale, over the stride
+    if seq.q_len == 1 and batch:  # a decode step: one strided row per sample holds a query
+        yield 0, nqb, _one_query_mass(q, keys, seq, block_size=bs, stride=s, scale=scale, num_key_blocks=nkb)
+        return
+    hq, hkv = q.shape[1], k.shape[1]
+    key_tiles: dict[bool, torch.Tensor] = {}  # reversed or not -> the keys' stride tiles, made when first needed
     # queries that are the last q_len positions from the tile grid (known on the host) are read in
     # place, the chunk's missing rows (past q_len) left out of the matmul instead of zero-filled
     in_place = seq.host_signature() is not None and (seq.kv_capacity - seq.q_len) % bs == 0
     qbs = seq.q_block_start(bs)  # (B,)
-    scale = _scale(scale, q.shape[-1]) / s  # the call's scale, over the stride
     dev = q.device
     for t0 in range(0, nqb, rows_per_chunk):
         t1 = min(nqb, t0 + rows_per_chunk)
@@ -401,9 +417,16 @@ def iter_antidiagonal_mass(
         # keys beyond the chunk's last causal block are never needed
         kb_end = int(min(nkb, int((qbs + t1).max().item()))) if batch else 0
         kb_end = max(kb_end, 1)
-        scores = _antidiagonal_matmul(qc, keys[:, :, : kb_end * bs // s], s)  # (B, Hq, R/S or fewer, K/S)
-        if scores.shape[2] < n_rows // s:  # the rows past q_len: zero scores (no real row, weight 0 below)
-            scores = torch.nn.functional.pad(scores, (0, 0, 0, n_rows // s - scores.shape[2]))
+        n_strided = min(kb_end * bs, n_cap) // s
+        rev_q = _reverse_queries(qc, hkv, n_strided * s)  # reverse the smaller side
+        if (not rev_q) not in key_tiles:
+            key_tiles[not rev_q] = _stride_tiles(keys, s, reverse=not rev_q)
+        scores = _antidiagonal_matmul(_stride_tiles(qc, s, reverse=rev_q), key_tiles[not rev_q][:, :, :n_strided], hq)
+        # rows past q_len (no real row: weight 0 below) and strided keys past the capacity (masked
+        # below) as zero padding: (B, Hq, R/S, K/S)
+        missing_rows, missing_keys = n_rows // s - scores.shape[2], kb_end * bs // s - n_strided
+        if missing_rows or missing_keys:
+            scores = torch.nn.functional.pad(scores, (0, missing_keys, 0, missing_rows))
         scores.mul_(scale)
         pos = (qbs[:, None] + t0) * bs + torch.arange(n_rows, device=dev)[None, :]  # (B, R)
         m_abs = pos[:, ::s] // s  # (B, R/S) strided row index
@@ -421,6 +444,33 @@ def iter_antidiagonal_mass(
         if kb_end < nkb:
             mass = torch.nn.functional.pad(mass, (0, nkb - kb_end))
         yield t0, t1, mass
+
+
+def _one_query_mass(
+    q: torch.Tensor, keys: torch.Tensor, seq: SeqInfo, *, block_size: int, stride: int, scale: float,
+    num_key_blocks: int,
+) -> torch.Tensor:
+    """(B, Hq, 1, NKB): :func:`iter_antidiagonal_mass` of one query per sample (``q_len == 1``).
+
+    The query at position ``p = m*S + i`` is the only real row of its stride tile ``m``, the other
+    tiles of its block hold none: the tile's antidiagonal sum against strided key ``n`` is the dot
+    product of the query with key ``n*S + S-1-i`` alone. So one matmul with every strided key's
+    partner (a gather of ``Sk / S`` keys) replaces the block's query grid. ``keys`` (B, Hkv,
+    Sk', D) float32 are the prepared keys (zero past ``kv_len``, ``Sk'`` a whole number of strides)
+    and ``scale`` already over the stride."""
+    batch, hq, _, dim = q.shape
+    hkv, n_strided = keys.shape[1], keys.shape[2] // stride
+    dev = q.device
+    m, i = seq.q_start // stride, seq.q_start % stride  # (B,) the query's strided row and offset in it
+    partner = (torch.arange(n_strided, device=dev) * stride)[None, :] + (stride - 1 - i)[:, None]  # (B, N)
+    k_sel = keys.gather(2, partner[:, None, :, None].expand(batch, hkv, n_strided, dim))
+    scores = torch.matmul(q.float().reshape(batch, hkv, hq // hkv, dim), k_sel.transpose(-1, -2))
+    scores = scores.reshape(batch, hq, n_strided).mul_(scale)
+    scores.masked_fill_((torch.arange(n_strided, device=dev)[None, :] > m[:, None])[:, None], -math.inf)
+    probs = torch.softmax(scores, -1).mul_((seq.q_start < seq.kv_len)[:, None, None])  # a padding row: 0
+    g = block_size // stride
+    probs = torch.nn.functional.pad(probs, (0, num_key_blocks * g - n_strided))
+    return probs.view(batch, hq, num_key_blocks, g).sum(-1)[:, :, None]
 
 
 def antidiagonal_mass(

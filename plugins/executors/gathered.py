@@ -167,6 +167,37 @@ def block_rows_attention(
     return out.view(batch, hq, nqb * bs, dim)[:, :, :sq]
 
 
+def one_row_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: BlockLayout, seq: SeqInfo, *, scale: float,
+    need_lse: bool,
+) -> AttentionOutput:
+    """Exact attention of one query row per sample (a decode step) over a block layout without
+    token mask, by two matmuls over every key: each KV head's query heads against its keys at once
+    (no K/V copy), the pairs the layout does not compute masked at block level, then causality and
+    key padding (none to mask for a host-dense step: its query is the last key), the softmax
+    between. A row seeing no key gives 0 (log-sum-exp ``-inf``). Half-precision inputs are computed
+    in float32."""
+    batch, hq, _, dim = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    group, bs = hq // hkv, lay.block_size
+    dtype = q.dtype
+    if dtype != torch.float32:
+        q, k, v = q.float(), k.float(), v.float()
+    scores = torch.matmul(q.reshape(batch, hkv, group, dim), k.transpose(-1, -2)).mul_(scale)  # (B, Hkv, g, Sk)
+    flags = lay.blocks[:, :, :1].expand(batch, hq, 1, lay.blocks.shape[-1]).reshape(batch, hkv, group, -1)
+    whole = sk // bs  # blocks of bs keys, then a last partial one
+    scores[..., : whole * bs].view(batch, hkv, group, whole, bs).masked_fill_(~flags[..., :whole, None], -math.inf)
+    if whole * bs < sk:
+        scores[..., whole * bs :].masked_fill_(~flags[..., whole : whole + 1], -math.inf)
+    if seq.host_signature() is None:  # keys after the row's position or past kv_len
+        reach = torch.minimum(seq.q_start, seq.kv_len - 1)[:, None, None, None]
+        scores.masked_fill_(torch.arange(sk, device=q.device) > reach, -math.inf)
+    lse = torch.logsumexp(scores, -1) if need_lse else None  # (B, Hkv, g)
+    probs = torch.softmax(scores, -1).nan_to_num_(0.0)  # a row seeing no key: NaN -> 0
+    out = torch.matmul(probs, v).view(batch, hq, 1, dim).to(dtype)
+    return AttentionOutput(out, lse.view(batch, hq, 1) if lse is not None else None)
+
+
 def gathered_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -200,6 +231,12 @@ def gathered_attention(
     offsets = torch.arange(bs, device=dev)
     # inference: one float mask buffer for every chunk (nothing keeps a chunk's mask after its call)
     reuse = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
+    if sq == 1 and lay.token_mask is None and reuse:
+        # a decode step whose rows read at least half the key blocks (over every head and sample, as
+        # the chunked path gathers them): every key, without mask tensor or gather
+        used = int(lay.blocks[:, :, 0].any(1).any(0).sum())
+        if 2 * used >= nkb:
+            return one_row_attention(q, k, v, lay, seq, scale=scale, need_lse=need_lse)
     if lay.token_mask is None and not need_lse and reuse and sq > 1 and bool((seq.q_start % bs == 0).all()):
         flags = causal_block_flags(lay, seq)
         chunked, exact = chunked_and_exact_tiles(flags, -(-query_chunk // bs), batch, hq)
