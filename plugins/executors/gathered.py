@@ -1,5 +1,25 @@
-"""The split executor's gathered path: exact attention over a block layout with SDPA, per chunk of
-query rows over only the key blocks the chunk uses (the CPU's sparse path).
+"""The split executor's gathered path: exact attention over a block layout with SDPA, over only the
+key blocks the queries use (the CPU's sparse path). Three forms, each where it costs least:
+
+* **chunks** (the general form, below): per chunk of query rows, the key blocks any row, head or
+  sample of the chunk computes, with an exact mask. Its cost follows the union of the chunk's
+  blocks: a layout shared by every head (streaming) costs its window, but heads choosing different
+  blocks (XAttention) make the union most of the causal blocks.
+* **block rows** (:func:`block_rows_attention`), for queries on the block grid without token mask
+  at inference: every (sample, head, query block) over exactly its own key blocks, the query
+  blocks of one block count in one SDPA call (their key blocks gathered; one causal mask on the
+  last block, the diagonal). Taken when the chunks would compute more than
+  :data:`BLOCK_ROWS_COST` times its tiles (:func:`chunked_and_exact_tiles`, counted on the host).
+  On the 2-core CPU machine at the default model's shape (B 4, 9 / 3 heads, 1,440 tokens, 64-token
+  blocks; ``tools/cpu_layer_timing.py``) an XAttention layer's attention went from 124 to 77 ms
+  (full attention: 90), while a streaming layer (sink 64, window 256) took 79 ms this way against
+  50 in chunks: gathering K/V per query block and 64-row SDPA calls cost about 1.2-2.2x a chunk's
+  per tile. 1.6 sends the first to block rows and keeps the second in chunks.
+* **one row** (:func:`one_row_attention`), for a decode step without token mask at inference
+  whose rows read at least half the key blocks: two matmuls over every key (each KV head's query
+  heads at once, no copy), the blocks not computed masked in the scores. An XAttention decode
+  step there: 0.73 ms against 1.06 in chunks (dense SDPA: 0.46); a streaming step reads a few
+  blocks and stays in chunks (0.60).
 
 Per chunk of ``query_chunk`` rows: the key blocks any row of the chunk computes (for any head and
 sample) are gathered (:func:`gather_keys`: views for one run of blocks, else one slice per run), and
@@ -35,7 +55,17 @@ from elasticfw.attention.layout import BlockLayout, expand_heads
 from elasticfw.attention.mode import AttentionOutput
 from elasticfw.attention.seq import SeqInfo
 
-__all__ = ["BLOCK_ROWS_COST", "MaskBuffer", "block_rows_attention", "gather_keys", "gathered_attention"]
+__all__ = [
+    "BLOCK_ROWS_CALL_BYTES",
+    "BLOCK_ROWS_COST",
+    "MaskBuffer",
+    "block_rows_attention",
+    "causal_block_flags",
+    "chunked_and_exact_tiles",
+    "gather_keys",
+    "gathered_attention",
+    "one_row_attention",
+]
 
 
 def gather_keys(
@@ -74,12 +104,14 @@ class MaskBuffer:
         return buf[:numel].view(shape)
 
 
-#: the block-rows path's cost per computed tile, in units of the chunked path's: its K/V gather
-#: copies every key block once per query block computing it (calibrated on the 2-core CPU machine,
-#: module docstring)
+#: the block-rows form's cost per computed tile, in units of the chunks': its K/V gather copies
+#: every key block once per query block computing it (calibrated on the 2-core CPU machine, module
+#: docstring)
 BLOCK_ROWS_COST = 1.6
 
-#: bytes of gathered keys and values one block-rows SDPA call may hold (larger groups are split)
+#: bytes of gathered keys and values one block-rows SDPA call may hold (larger groups are split):
+#: on the 2-core CPU machine 4 MiB ran an XAttention layer in 72-80 ms, 16-32 MiB in 80-117 (each
+#: call's gathered tensors then come from fresh pages)
 BLOCK_ROWS_CALL_BYTES = 4 << 20
 
 
