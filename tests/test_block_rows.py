@@ -165,17 +165,28 @@ def test_executor_takes_block_rows_where_they_compute_fewer_tiles(monkeypatch):
     with torch.no_grad():
         got = ex.attend(q, k, v, layout, seq, scale=0.25, need_lse=False).out
     assert len(calls) == 1 and rel_rms(got[real], want[real]) < TOLERANCE[torch.float32]
+    held = ex._gather_buffers[0]._buffer
+    assert held is not None  # the gathered keys went into the executor's buffer
+    # a second, smaller call through the same buffers (a view of them): still exact
+    seq2 = SeqInfo(torch.tensor([0, 0]), torch.tensor([64, 50]), 64, 64)
+    with torch.no_grad():
+        got2 = ex.attend(q[:, :, :64], k[:, :, :64], v[:, :, :64], BlockLayout(blocks[:, :, :4, :4], BS), seq2,
+                         scale=0.25, need_lse=False).out
+    want2 = _definition(q[:, :, :64], k[:, :, :64], v[:, :, :64], blocks[:, :, :4, :4], seq2, 0.25)
+    real2 = _real(seq2).expand_as(got2)
+    assert len(calls) == 2 and ex._gather_buffers[0]._buffer is held
+    assert rel_rms(got2[real2], want2[real2]) < TOLERANCE[torch.float32]
     with torch.no_grad():
         with_lse = ex.attend(q, k, v, layout, seq, scale=0.25, need_lse=True)
     qg = q.clone().requires_grad_(True)
     recorded = ex.attend(qg, k, v, layout, seq, scale=0.25, need_lse=False).out
-    assert len(calls) == 1  # neither took the block rows
+    assert len(calls) == 2  # neither took the block rows
     for out in (with_lse.out, recorded.detach()):
         assert rel_rms(out[real], want[real]) < TOLERANCE[torch.float32]
     off_grid = SeqInfo(torch.tensor([8, 0]), torch.tensor([96, 80]), 88, 96)  # sample 0 starts mid-block
     with torch.no_grad():
         ex.attend(q[:, :, :88], k, v, BlockLayout(blocks, BS), off_grid, scale=0.25, need_lse=False)
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 def test_executor_keeps_the_chunked_path_for_a_shared_window(monkeypatch):

@@ -462,8 +462,12 @@ def _one_query_mass(
     hkv, n_strided = keys.shape[1], keys.shape[2] // stride
     dev = q.device
     m, i = seq.q_start // stride, seq.q_start % stride  # (B,) the query's strided row and offset in it
-    partner = (torch.arange(n_strided, device=dev) * stride)[None, :] + (stride - 1 - i)[:, None]  # (B, N)
-    k_sel = keys.gather(2, partner[:, None, :, None].expand(batch, hkv, n_strided, dim))
+    if seq.host_signature() is not None:  # every query at the last position: one offset, a strided view
+        first = stride - 1 - (seq.kv_capacity - 1) % stride
+        k_sel = keys[:, :, first::stride][:, :, :n_strided]
+    else:
+        partner = (torch.arange(n_strided, device=dev) * stride)[None, :] + (stride - 1 - i)[:, None]  # (B, N)
+        k_sel = keys.gather(2, partner[:, None, :, None].expand(batch, hkv, n_strided, dim))
     scores = torch.matmul(q.float().reshape(batch, hkv, hq // hkv, dim), k_sel.transpose(-1, -2))
     scores = scores.reshape(batch, hq, n_strided).mul_(scale)
     scores.masked_fill_((torch.arange(n_strided, device=dev)[None, :] > m[:, None])[:, None], -math.inf)

@@ -205,6 +205,8 @@ class SplitExecutor(Executor):
         self._indices: OrderedDict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = OrderedDict()
         #: the gathered path's additive masks at inference (:mod:`elasticfw_plugins.executors.gathered`)
         self._mask_buffer = MaskBuffer()
+        #: the block rows' gathered keys and values at inference (the same module)
+        self._gather_buffers = (MaskBuffer(), MaskBuffer())
         #: (id of a reusable layout, SeqInfo signature) -> (the layout, whether it computes every causal pair)
         self._every_pair_cache: OrderedDict[tuple[int, tuple], tuple[BlockLayout, bool]] = OrderedDict()
 
@@ -490,4 +492,5 @@ class SplitExecutor(Executor):
         """Exact attention over ``layout``, computing per query chunk only the key blocks it uses
         (:func:`elasticfw_plugins.executors.gathered.gathered_attention`)."""
         return gathered_attention(q, k, v, layout, seq, scale=scale, need_lse=need_lse,
-                                  query_chunk=self.config.query_chunk, buffer=self._mask_buffer)
+                                  query_chunk=self.config.query_chunk, buffer=self._mask_buffer,
+                                  gather_buffers=self._gather_buffers)
