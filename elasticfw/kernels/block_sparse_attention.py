@@ -434,9 +434,12 @@ def _block_sparse_kernel(
 #: XAttention's lists 0.99 ms against 10.0, NSA's 0.31 against 3.0 (``results/bench/issue10-s10/``)
 TRITON_WORK_LISTS = True
 #: :func:`plan_work` builds the compact form of the lists (:class:`WorkPlan`) when the dense form would
-#: take more bytes than this: 2 GiB. Up to 128K tokens (1.07 GB for 32 heads of 64-row tiles over 64-key
-#: chunks, the largest measured) the dense form stays: its timings are the measured ones; the compact
-#: form is not yet timed on a GPU
+#: take more bytes than this: 2 GiB. On an H200 at 128K (Hq 32 / Hkv 8, d 128, structured q/k) the
+#: compact form's kernel took what the dense one's did (XAttention 59.5 against 59.3 ms, NSA 38.9 /
+#: 38.9, MoBA 183.0 / 183.6, streaming 11.3 / 11.2) for 4-5% of the memory (XAttention 50 MB
+#: against 1,074), but its two-launch plan 0.3-2.5 ms more (XAttention 1.36 against 1.04, MoBA 5.37
+#: against 2.85; ``results/bench/issue10-s12/variants/kernel_timing.json``), so the dense form
+#: stays wherever its memory is affordable
 COMPACT_LISTS_ABOVE = 2 * 2**30
 #: K and V through TMA tensor descriptors where their strides allow (:func:`kv_descriptor`), on
 #: GPUs of compute capability 9 or more and under the interpreter
