@@ -455,7 +455,8 @@ def _one_query_mass(
     The query at position ``p = m*S + i`` is the only real row of its stride tile ``m``, the other
     tiles of its block hold none: the tile's antidiagonal sum against strided key ``n`` is the dot
     product of the query with key ``n*S + S-1-i`` alone. So one matmul with every strided key's
-    partner (a gather of ``Sk / S`` keys) replaces the block's query grid. ``keys`` (B, Hkv,
+    partner (``Sk / S`` keys: a strided view when every sample's query is the last key, else a
+    gather) replaces the block's query grid. ``keys`` (B, Hkv,
     Sk', D) float32 are the prepared keys (zero past ``kv_len``, ``Sk'`` a whole number of strides)
     and ``scale`` already over the stride."""
     batch, hq, _, dim = q.shape
