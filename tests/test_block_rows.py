@@ -21,7 +21,7 @@ import torch
 import elasticfw_plugins.executors.gathered as gathered
 from elasticfw.attention.layout import BlockLayout, expand_heads
 from elasticfw.attention.seq import SeqInfo
-from elasticfw.testing.modes import TOLERANCE, make_mode, rel_rms
+from elasticfw.testing.modes import TOLERANCE, make_mode, real_rows, rel_rms
 from elasticfw_plugins.executors.split import SplitConfig, SplitExecutor
 
 BS = 16
@@ -48,10 +48,6 @@ def _definition(q, k, v, blocks, seq, scale):
                 s = (kk[keys] @ q[b, h, i].double()) * scale
                 out[b, h, i] = torch.softmax(s, 0) @ vv[keys]
     return out
-
-
-def _real(seq):
-    return (seq.q_start[:, None] + torch.arange(seq.q_len)[None, :] < seq.kv_len[:, None])[:, None, :, None]
 
 
 def _blocks(batch, heads, nqb, nkb, seed):
@@ -100,7 +96,7 @@ def test_block_rows_match_the_definition(name, call_bytes, monkeypatch):
             q, k, v, gathered.causal_block_flags(lay, seq), seq, block_size=BS, scale=0.3
         )
     want = _definition(q, k, v, blocks, seq, 0.3)
-    real = _real(seq).expand_as(got)
+    real = real_rows(seq).expand_as(got)
     assert got.shape == q.shape and bool(torch.isfinite(got).all())
     assert rel_rms(got[real], want[real]) < TOLERANCE[dtype]
     assert not got[:, :, :BS].any()  # the first query block of every head computes nothing: zeros
@@ -161,7 +157,7 @@ def test_executor_takes_block_rows_where_they_compute_fewer_tiles(monkeypatch):
     chunked, exact = gathered.chunked_and_exact_tiles(flags, 3, 2, 4)
     assert exact * gathered.BLOCK_ROWS_COST < chunked
     want = _definition(q, k, v, blocks, seq, 0.25)
-    real = _real(seq).expand_as(q)
+    real = real_rows(seq).expand_as(q)
     with torch.no_grad():
         got = ex.attend(q, k, v, layout, seq, scale=0.25, need_lse=False).out
     assert len(calls) == 1 and rel_rms(got[real], want[real]) < TOLERANCE[torch.float32]
@@ -173,7 +169,7 @@ def test_executor_takes_block_rows_where_they_compute_fewer_tiles(monkeypatch):
         got2 = ex.attend(q[:, :, :64], k[:, :, :64], v[:, :, :64], BlockLayout(blocks[:, :, :4, :4], BS), seq2,
                          scale=0.25, need_lse=False).out
     want2 = _definition(q[:, :, :64], k[:, :, :64], v[:, :, :64], blocks[:, :, :4, :4], seq2, 0.25)
-    real2 = _real(seq2).expand_as(got2)
+    real2 = real_rows(seq2).expand_as(got2)
     assert len(calls) == 2 and ex._gather_buffers[0]._buffer is held
     assert rel_rms(got2[real2], want2[real2]) < TOLERANCE[torch.float32]
     with torch.no_grad():

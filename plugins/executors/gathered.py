@@ -51,7 +51,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from elasticfw.attention.layout import BlockLayout, expand_heads
+from elasticfw.attention.layout import BlockLayout, block_grid, expand_heads
 from elasticfw.attention.mode import AttentionOutput
 from elasticfw.attention.seq import SeqInfo
 
@@ -119,10 +119,8 @@ BLOCK_ROWS_CALL_BYTES = 4 << 20
 def causal_block_flags(lay: BlockLayout, seq: SeqInfo) -> torch.Tensor:
     """(B, H or 1, NQB, NKB) bool: the layout's blocks holding a causal pair for some query of the
     row (key block ``<=`` the row's position block ``q_block_start + t``)."""
-    nqb, nkb = lay.blocks.shape[2], lay.blocks.shape[3]
-    dev = lay.blocks.device
-    row_block = seq.q_block_start(lay.block_size)[:, None] + torch.arange(nqb, device=dev)[None, :]  # (B, NQB)
-    return lay.blocks & (torch.arange(nkb, device=dev) <= row_block[:, None, :, None])
+    q_blocks, k_blocks = block_grid(seq, lay.block_size)
+    return lay.blocks & (k_blocks <= q_blocks)[:, None]
 
 
 def chunked_and_exact_tiles(flags: torch.Tensor, rows_per_chunk: int, batch: int, heads: int) -> tuple[int, int]:
