@@ -20,7 +20,7 @@ always runs the eager operations, which autograd differentiates.
 
 from __future__ import annotations
 
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import torch
 from pydantic import Field
@@ -136,12 +136,14 @@ class MLPRouter(Router):
         self.schedule = TemperatureSchedule(config.tau_init, config.tau_min, config.tau_rate, config.tau_units)
         #: the fused kernel's verdict per (layer, key dtype, device, head dim, weight dtype, device): None = runs
         self._fused_reasons: dict[tuple, str | None] = {}
+        self._fused_module: Any = None  # elasticfw_plugins.routers.mlp_fused, once Triton is known to run
 
     def temperature(self) -> float:
         return self.schedule(self.progress)
 
     def decide(self, layer: int, keys: torch.Tensor, seq: SeqInfo) -> RouterDecision:
-        module = self.layers[layer]
+        # the ModuleList's dictionary: its indexing costs microseconds, and this runs once per layer
+        module = self.layers._modules.get(str(layer)) or self.layers[layer]
         if not self.training and self.config.kernel != "eager":
             fused = self._fused_decide(cast(_LayerRouter, module), keys, seq)
             if fused is not None:
@@ -160,17 +162,23 @@ class MLPRouter(Router):
 
     def _fused_decide(self, module: _LayerRouter, keys: torch.Tensor, seq: SeqInfo) -> RouterDecision | None:
         """The inference decision from the fused kernel, or ``None`` where ``kernel: auto`` keeps the
-        eager path. ``kernel: triton`` raises when the kernel cannot run."""
+        eager path. ``kernel: triton`` raises when the kernel cannot run.
+
+        This runs once per layer per forward and its host time is most of the router's cost on a GPU,
+        so it reads tensor attributes that need no ``torch.device`` object (``is_cuda``,
+        ``get_device``) and imports the kernel module once."""
         pool_tokens = self.config.pool_tokens
         pinned = self.config.kernel == "triton"
         params = module.kernel_params()
-        if not pinned and (keys.device.type != "cuda" or (torch.is_grad_enabled() and params[0].requires_grad)):
+        weight = params[0]
+        if not pinned and (not keys.is_cuda or (weight.requires_grad and torch.is_grad_enabled())):
             return None
         fast = pool_fast_path(keys, seq, pool_tokens)
         if not pinned and not fast:
             return None
         # whether the kernel takes these weights and keys: asked once per (layer, dtypes, devices, head dim)
-        check = (id(module), keys.dtype, keys.device, keys.shape[-1], params[0].dtype, params[0].device)
+        check = (id(module), keys.dtype, keys.is_cuda, keys.get_device(), keys.shape[-1], weight.dtype,
+                 weight.is_cuda, weight.get_device())
         reason = self._fused_reasons.get(check, "")
         if reason == "":
             reason = triton_unavailable(keys.device)
@@ -178,6 +186,7 @@ class MLPRouter(Router):
                 from elasticfw_plugins.routers import mlp_fused  # imports Triton
 
                 reason = mlp_fused.unsupported(params, keys)
+                self._fused_module = mlp_fused
             self._fused_reasons[check] = reason
         if reason is not None:
             if not pinned:
@@ -186,8 +195,7 @@ class MLPRouter(Router):
                 f"elastic.router.kernel = 'triton' but the fused router kernel cannot run here: {reason}; "
                 "use kernel: auto (fused where it can run, else eager) or eager"
             )
-        from elasticfw_plugins.routers import mlp_fused  # imported by the check above: a dictionary lookup
-
+        mlp_fused = self._fused_module  # set with the first verdict that the kernel can run
         if fast:
             hard, prob, logits = mlp_fused.fused_decide(params, keys, pool_tokens)
         else:  # padding or a short sequence: the eager gather pooling, then the fused MLPs and decision

@@ -159,27 +159,40 @@ def unsupported(params: Sequence[torch.Tensor], x: torch.Tensor) -> str | None:
     return None
 
 
+#: the launch's compile-time arguments per (head dim, hidden, pool, from keys, weight dtype): built once
+_META: dict[tuple[int, int, int, bool, torch.dtype], dict[str, object]] = {}
+
+
+def _meta(dim: int, hidden: int, pool: int, from_keys: bool, wdtype: torch.dtype) -> dict[str, object]:
+    key = (dim, hidden, pool, from_keys, wdtype)
+    meta = _META.get(key)
+    if meta is None:
+        block_d = max(16, next_pow2(dim))
+        block = max(8, TILE // block_d)
+        meta = _META[key] = dict(DIM=dim, HID=hidden, POOL=pool, FROM_KEYS=from_keys, BLOCK_D=block_d, BLOCK_H=block,
+                                 BLOCK_T=block, ROUND=wdtype != torch.float32, num_warps=NUM_WARPS)
+    return meta
+
+
 def _launch(params: Sequence[torch.Tensor], src: torch.Tensor, sk: int, strides: tuple[int, int, int, int],
             pool: int, from_keys: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    params = [p if p.is_contiguous() else p.contiguous() for p in params]
-    batch, heads, dim = src.shape[0], src.shape[1], src.shape[-1]
-    hidden, wdtype = params[0].shape[0], params[0].dtype
-    decisions = torch.empty((2, batch, heads), device=src.device, dtype=torch.float32)  # one allocation
-    hard, prob = decisions[0], decisions[1]  # contiguous (B, Hkv) views
-    logits = torch.empty((batch, heads, 2), device=src.device, dtype=wdtype)
+    # the router's own host time is most of its cost (a launch per layer): nothing here is recomputed per call
+    if not all(map(torch.Tensor.is_contiguous, params)):
+        params = [p.contiguous() for p in params]
+    batch, heads = src.shape[0], src.shape[1]
+    weight, device = params[0], src.device
+    decisions = torch.empty((2, batch, heads), device=device, dtype=torch.float32)  # one allocation
+    hard, prob = decisions.unbind(0)  # contiguous (B, Hkv) views
+    logits = torch.empty((batch, heads, 2), device=device, dtype=weight.dtype)
     if batch * heads == 0:
         return hard, prob, logits
-    block_d = max(16, next_pow2(dim))
-    block = max(8, TILE // block_d)
+    meta = _meta(src.shape[-1], weight.shape[0], pool, from_keys, weight.dtype)
     launch = mlp_router_kernel[(batch * heads,)]
-    args = (src, sk, *strides, heads, *params, hard, prob, logits)
-    meta = dict(DIM=dim, HID=hidden, POOL=pool, FROM_KEYS=from_keys, BLOCK_D=block_d, BLOCK_H=block,
-                BLOCK_T=block, ROUND=wdtype != torch.float32, num_warps=NUM_WARPS)
-    if src.device.type == "cuda" and src.device.index != torch.cuda.current_device():
-        with torch.cuda.device(src.device):  # Triton launches on the current device
-            launch(*args, **meta)
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):  # Triton launches on the current device
+            launch(src, sk, *strides, heads, *params, hard, prob, logits, **meta)
     else:
-        launch(*args, **meta)
+        launch(src, sk, *strides, heads, *params, hard, prob, logits, **meta)
     return hard, prob, logits
 
 
