@@ -144,6 +144,16 @@ CASES = {
     "block24": (lambda: _seq([5, 40], [150, 100], 90, 150), 2, 1, 32, 24, 16, 8, F32, None, {}),
     # no row sees a window: rows 0..5 with kernel 8 (position + 1 < kernel)
     "no_valid_window": (lambda: _seq([0], [40], 6, 40), 2, 1, 32, 16, 8, 4, F32, None, {}),
+    # steps whose every window every row sees (run without the causal mask) before the causal edge:
+    # with padding rows past a sample's kv_len, GQA 3 (a padded head per chunk), head dim 48 (padded)
+    "full_steps_padded_rows": (
+        lambda: _seq([0, 0], [300, 230], 300, 300), 6, 2, 48, 16, 8, 4, F32, None, {"block_n": 16}
+    ),
+    # ... with padding members in each block (block / stride = 3) and whole unmasked key loads (bf16)
+    "full_steps_block24": (lambda: _seq([0], [300], 300, 300), 2, 1, 32, 24, 16, 8, F32, None, {"block_n": 16}),
+    "full_steps_bf16": (
+        lambda: SeqInfo.dense(1, 600, 600, DEV), 4, 2, 32, 64, 32, 16, torch.bfloat16, None, {"block_n": 16}
+    ),
     # 16 rows and 16 windows per program: several head chunks, steps and carries
     "small_tiles": (
         lambda: _seq([0, 17], [190, 160], 150, 190), 4, 1, 32, 16, 8, 4, F32, None, {"block_m": 16, "block_n": 16}

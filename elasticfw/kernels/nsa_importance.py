@@ -200,17 +200,19 @@ def _chunk_rows(
     BS: tl.constexpr, BS_PAD: tl.constexpr, RB: tl.constexpr, HP: tl.constexpr,
     KERNEL: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Head chunk ``hc``'s rows for pass 2: positions, usable rows, queries, pass 1's max and 1/sum."""
+    """Head chunk ``hc``'s rows for pass 2: positions, usable rows, queries, pass 1's max and 1/sum.
+    Rows that are not usable get a zero query, a zero max and a zero 1/sum: probability 0 in every
+    column, masked or not."""
     head, pos, ri, real, usable = _rows(
         t0, hc, q_start, kv_len, q_len, num_rows, group_size, BS, BS_PAD, RB, HP, KERNEL, BLOCK_M
     )
     qv = _load_q(
-        q_ptr, b, hkv * group_size + head, ri, real, stride_qb, stride_qh, stride_qs, stride_qd,
+        q_ptr, b, hkv * group_size + head, ri, usable, stride_qb, stride_qh, stride_qs, stride_qd,
         HEAD_DIM, D_PAD, UPCAST,
     )
     stat = stat_base + head.to(tl.int64) * q_len + ri
     row_max = tl.load(row_max_ptr + stat, mask=usable, other=0.0)
-    inv_sum = 1.0 / tl.load(row_sum_ptr + stat, mask=usable, other=1.0)
+    inv_sum = tl.where(usable, 1.0 / tl.load(row_sum_ptr + stat, mask=usable, other=1.0), 0.0)
     return pos, usable, qv, row_max, inv_sum
 
 
@@ -238,14 +240,22 @@ def _windows(kt, num_windows, PER_BLOCK: tl.constexpr, GROUP_PAD: tl.constexpr, 
 @triton.jit
 def _scores(qv, c_base, m, m_ok, stride_ct, stride_cm, stride_cd,
             SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """(BLOCK_M, BLOCK_N) float32 ``q . c_m``, ``c`` summed from its ``SPLIT`` terms."""
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+            CHECK: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) float32 ``q . c_m``, ``c`` summed from its ``SPLIT`` terms. ``CHECK``:
+    columns may be windows that do not exist (``m_ok``); else every column is read unmasked."""
     d = tl.arange(0, D_PAD)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     ptrs = c_base + m.to(tl.int64)[:, None] * stride_cm + d[None, :] * stride_cd
-    mask = m_ok[:, None] & (d < HEAD_DIM)[None, :]
+    if CHECK:
+        mask = m_ok[:, None] & (d < HEAD_DIM)[None, :]
+    else:
+        mask = (m >= 0)[:, None] & (d < HEAD_DIM)[None, :]  # all true: only the head dim's padding
     for term in tl.static_range(SPLIT):
-        cv = tl.load(ptrs + term * stride_ct, mask=mask, other=0.0)
+        if CHECK or D_PAD != HEAD_DIM:
+            cv = tl.load(ptrs + term * stride_ct, mask=mask, other=0.0)
+        else:
+            cv = tl.load(ptrs + term * stride_ct)
         if UPCAST:
             cv = cv.to(tl.float32)
         if IEEE:
@@ -262,6 +272,18 @@ def _num_steps(pos, usable, KERNEL: tl.constexpr, STRIDE: tl.constexpr, PER_BLOC
     limit = tl.max(tl.where(usable, pos + 1, 0), axis=0)  # the latest row's position + 1
     last = tl.where(limit >= KERNEL, (limit - KERNEL) // STRIDE, 0)  # its last valid window
     return tl.where(limit >= KERNEL, last // PER_BLOCK // KEY_BLOCKS + 1, 0)
+
+
+@triton.jit
+def _num_full_steps(pos, usable, KERNEL: tl.constexpr, STRIDE: tl.constexpr, PER_BLOCK: tl.constexpr,
+                    KEY_BLOCKS: tl.constexpr):
+    """Leading window steps whose every window is valid for every usable row: the earliest usable
+    row sees them all, so these steps need no causal mask (0 when no row is usable)."""
+    none: tl.constexpr = 2147483647
+    first = tl.min(tl.where(usable, pos + 1, none), axis=0)  # the earliest usable row's position + 1
+    some = (first >= KERNEL) & (first < none)  # a usable row has position + 1 >= KERNEL
+    seen = tl.where(some, (first - KERNEL) // STRIDE + 1, 0)  # windows it sees: 0 .. seen - 1
+    return seen // (PER_BLOCK * KEY_BLOCKS)
 
 
 @triton.jit
@@ -288,16 +310,30 @@ def _stats_kernel(
         tile * RB, hc, q_start, kv_len, q_len, num_rows, group_size, BS, BS_PAD, RB, HP, KERNEL, BLOCK_M
     )
     hq = hkv * group_size + head
-    qv = _load_q(q_ptr, b, hq, ri, real, stride_qb, stride_qh, stride_qs, stride_qd, HEAD_DIM, D_PAD, UPCAST)
+    # rows that are not usable read a zero query: finite scores in the unmasked steps, reset at the end
+    qv = _load_q(q_ptr, b, hq, ri, usable, stride_qb, stride_qh, stride_qs, stride_qd, HEAD_DIM, D_PAD, UPCAST)
     c_base = c_ptr + b.to(tl.int64) * stride_cb + hkv.to(tl.int64) * stride_ch
     n_steps = _num_steps(pos, usable, KERNEL, STRIDE, PER_BLOCK, KEY_BLOCKS)
+    n_full = _num_full_steps(pos, usable, KERNEL, STRIDE, PER_BLOCK, KEY_BLOCKS)
     row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     row_sum = tl.zeros((BLOCK_M,), tl.float32)
-    for kt in range(0, n_steps):
+    for kt in range(0, n_full):  # every window valid for every row: no causal mask
         m, m_ok = _windows(kt, num_windows, PER_BLOCK, GROUP_PAD, BLOCK_N)
         s = _scores(
             qv, c_base, m, m_ok, stride_ct, stride_cm, stride_cd,
-            SPLIT, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, IEEE, UPCAST,
+            SPLIT, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, IEEE, UPCAST, GROUP_PAD != PER_BLOCK,
+        )
+        s = s * qk_scale
+        if GROUP_PAD != PER_BLOCK:  # the padding members of each block are no windows
+            s = tl.where(m_ok[None, :], s, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(s, axis=1))  # finite: every row has a real column
+        row_sum = row_sum * tl.exp2(row_max - new_max) + tl.sum(tl.exp2(s - new_max[:, None]), axis=1)
+        row_max = new_max
+    for kt in range(n_full, n_steps):  # the causal edge
+        m, m_ok = _windows(kt, num_windows, PER_BLOCK, GROUP_PAD, BLOCK_N)
+        s = _scores(
+            qv, c_base, m, m_ok, stride_ct, stride_cm, stride_cd,
+            SPLIT, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, IEEE, UPCAST, True,
         )
         valid = usable[:, None] & m_ok[None, :] & (m[None, :] * STRIDE + KERNEL <= pos[:, None] + 1)
         s = tl.where(valid, s * qk_scale, float("-inf"))
@@ -306,8 +342,63 @@ def _stats_kernel(
         row_sum = row_sum * tl.exp2(row_max - safe) + tl.sum(tl.exp2(s - safe[:, None]), axis=1)
         row_max = new_max
     out = (b * num_q_heads + hq).to(tl.int64) * q_len + ri
-    tl.store(row_max_ptr + out, row_max, mask=real)
-    tl.store(row_sum_ptr + out, row_sum, mask=real)
+    tl.store(row_max_ptr + out, tl.where(usable, row_max, float("-inf")), mask=real)
+    tl.store(row_sum_ptr + out, tl.where(usable, row_sum, 0.0), mask=real)
+
+
+@triton.jit
+def _importance_step(
+    kt, carry, own, nxt, n, out_rows, row_mask, qv0, max0, inv0, usable, pos0,
+    q_ptr, row_max_ptr, row_sum_ptr, c_base, b, hkv, t0, q_start, kv_len, q_len, num_rows, group_size,
+    stat_base, num_windows, num_key_blocks, qk_scale, stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_ct, stride_cm, stride_cd, stride_on,
+    BS: tl.constexpr, BS_PAD: tl.constexpr, RB: tl.constexpr, HP: tl.constexpr, HEAD_CHUNKS: tl.constexpr,
+    KERNEL: tl.constexpr, STRIDE: tl.constexpr, PER_BLOCK: tl.constexpr, GROUP_PAD: tl.constexpr,
+    SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, FULL: tl.constexpr,
+):
+    """One window step of pass 2: the step's probabilities summed per (tile, window) over rows and
+    heads, its own blocks written (with the carry from the previous step), its spill returned.
+    ``FULL``: every window of the step is valid for every usable row (no causal mask; rows that are
+    not usable have probability 0 through their zero query and 1/sum)."""
+    KEY_BLOCKS: tl.constexpr = BLOCK_N // GROUP_PAD
+    PADDED: tl.constexpr = GROUP_PAD != PER_BLOCK
+    m, m_ok = _windows(kt, num_windows, PER_BLOCK, GROUP_PAD, BLOCK_N)
+    per_window = tl.zeros((RB, BLOCK_N), tl.float32)
+    for hc in range(0, HEAD_CHUNKS):
+        if HEAD_CHUNKS == 1:
+            qv = qv0
+            row_max = max0
+            inv_sum = inv0
+            ok = usable
+            pos = pos0
+        else:
+            pos, ok, qv, row_max, inv_sum = _chunk_rows(
+                q_ptr, row_max_ptr, row_sum_ptr, b, hkv, t0, hc, q_start, kv_len, q_len, num_rows, group_size,
+                stat_base, stride_qb, stride_qh, stride_qs, stride_qd,
+                BS, BS_PAD, RB, HP, KERNEL, BLOCK_M, HEAD_DIM, D_PAD, UPCAST,
+            )
+        s = _scores(
+            qv, c_base, m, m_ok, stride_ct, stride_cm, stride_cd,
+            SPLIT, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, IEEE, UPCAST, PADDED or not FULL,
+        )
+        s = s * qk_scale - row_max[:, None]
+        if FULL:
+            if PADDED:  # the padding members of each block are no windows
+                s = tl.where(m_ok[None, :], s, float("-inf"))
+        else:
+            valid = ok[:, None] & m_ok[None, :] & (m[None, :] * STRIDE + KERNEL <= pos[:, None] + 1)
+            s = tl.where(valid, s, float("-inf"))
+        p = tl.exp2(s) * inv_sum[:, None]
+        if RB == 1:  # one tile: every row of the program is summed (no reshape of the scores)
+            per_window += tl.sum(p, axis=0)[None, :]
+        else:
+            p = tl.sum(tl.reshape(p, (HP, RB, BS_PAD, BLOCK_N)), axis=2)
+            per_window += tl.sum(p, axis=0)
+    blocks = tl.sum(per_window[:, :, None] * own[None, :, :], axis=1) + carry
+    kb = kt * KEY_BLOCKS + n
+    tl.store(out_rows + kb[None, :] * stride_on, blocks, mask=row_mask & (kb < num_key_blocks)[None, :])
+    return tl.sum(per_window[:, :, None] * nxt[None, :, :], axis=1)
 
 
 @triton.jit
@@ -340,11 +431,12 @@ def _importance_kernel(
         t0, 0, q_start, kv_len, q_len, num_rows, group_size, BS, BS_PAD, RB, HP, KERNEL, BLOCK_M
     )
     n_steps = _num_steps(pos, usable, KERNEL, STRIDE, PER_BLOCK, KEY_BLOCKS)
-    if HEAD_CHUNKS == 1:  # the whole group is resident: load its rows and statistics once
-        _, _, qv0, max0, inv0 = _chunk_rows(
-            q_ptr, row_max_ptr, row_sum_ptr, b, hkv, t0, 0, q_start, kv_len, q_len, num_rows, group_size, stat_base,
-            stride_qb, stride_qh, stride_qs, stride_qd, BS, BS_PAD, RB, HP, KERNEL, BLOCK_M, HEAD_DIM, D_PAD, UPCAST,
-        )
+    # the whole group is resident when it fits one chunk: its rows and statistics are loaded once (with
+    # several chunks, each step loads every chunk's; these are then chunk 0's, unused)
+    _, _, qv0, max0, inv0 = _chunk_rows(
+        q_ptr, row_max_ptr, row_sum_ptr, b, hkv, t0, 0, q_start, kv_len, q_len, num_rows, group_size, stat_base,
+        stride_qb, stride_qh, stride_qs, stride_qd, BS, BS_PAD, RB, HP, KERNEL, BLOCK_M, HEAD_DIM, D_PAD, UPCAST,
+    )
 
     # overlap (in sub-chunks) of each column's window with the step's own blocks and the next ones
     c = tl.arange(0, BLOCK_N)
@@ -361,37 +453,25 @@ def _importance_kernel(
     )
     row_mask = (t0 + rb < num_rows)[:, None]
     carry = tl.zeros((RB, KEY_BLOCKS), tl.float32)
-    for kt in range(0, n_steps):
-        m, m_ok = _windows(kt, num_windows, PER_BLOCK, GROUP_PAD, BLOCK_N)
-        per_window = tl.zeros((RB, BLOCK_N), tl.float32)
-        for hc in range(0, HEAD_CHUNKS):
-            if HEAD_CHUNKS == 1:
-                qv = qv0
-                row_max = max0
-                inv_sum = inv0
-                ok = usable
-            else:
-                pos, ok, qv, row_max, inv_sum = _chunk_rows(
-                    q_ptr, row_max_ptr, row_sum_ptr, b, hkv, t0, hc, q_start, kv_len, q_len, num_rows, group_size,
-                    stat_base, stride_qb, stride_qh, stride_qs, stride_qd,
-                    BS, BS_PAD, RB, HP, KERNEL, BLOCK_M, HEAD_DIM, D_PAD, UPCAST,
-                )
-            s = _scores(
-                qv, c_base, m, m_ok, stride_ct, stride_cm, stride_cd,
-                SPLIT, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, IEEE, UPCAST,
-            )
-            valid = ok[:, None] & m_ok[None, :] & (m[None, :] * STRIDE + KERNEL <= pos[:, None] + 1)
-            s = tl.where(valid, s * qk_scale - row_max[:, None], float("-inf"))
-            p = tl.exp2(s) * inv_sum[:, None]
-            if RB == 1:  # one tile: every row of the program is summed (no reshape of the scores)
-                per_window += tl.sum(p, axis=0)[None, :]
-            else:
-                p = tl.sum(tl.reshape(p, (HP, RB, BS_PAD, BLOCK_N)), axis=2)
-                per_window += tl.sum(p, axis=0)
-        blocks = tl.sum(per_window[:, :, None] * own[None, :, :], axis=1) + carry
-        carry = tl.sum(per_window[:, :, None] * nxt[None, :, :], axis=1)
-        kb = kt * KEY_BLOCKS + n
-        tl.store(out_rows + kb[None, :] * stride_on, blocks, mask=row_mask & (kb < num_key_blocks)[None, :])
+    n_full = _num_full_steps(pos, usable, KERNEL, STRIDE, PER_BLOCK, KEY_BLOCKS)
+    for kt in range(0, n_full):  # every window valid for every row: no causal mask
+        carry = _importance_step(
+            kt, carry, own, nxt, n, out_rows, row_mask, qv0, max0, inv0, usable, pos,
+            q_ptr, row_max_ptr, row_sum_ptr, c_base, b, hkv, t0, q_start, kv_len, q_len, num_rows, group_size,
+            stat_base, num_windows, num_key_blocks, qk_scale, stride_qb, stride_qh, stride_qs, stride_qd,
+            stride_ct, stride_cm, stride_cd, stride_on,
+            BS, BS_PAD, RB, HP, HEAD_CHUNKS, KERNEL, STRIDE, PER_BLOCK, GROUP_PAD, SPLIT, HEAD_DIM, D_PAD,
+            BLOCK_M, BLOCK_N, IEEE, UPCAST, True,
+        )
+    for kt in range(n_full, n_steps):  # the causal edge
+        carry = _importance_step(
+            kt, carry, own, nxt, n, out_rows, row_mask, qv0, max0, inv0, usable, pos,
+            q_ptr, row_max_ptr, row_sum_ptr, c_base, b, hkv, t0, q_start, kv_len, q_len, num_rows, group_size,
+            stat_base, num_windows, num_key_blocks, qk_scale, stride_qb, stride_qh, stride_qs, stride_qd,
+            stride_ct, stride_cm, stride_cd, stride_on,
+            BS, BS_PAD, RB, HP, HEAD_CHUNKS, KERNEL, STRIDE, PER_BLOCK, GROUP_PAD, SPLIT, HEAD_DIM, D_PAD,
+            BLOCK_M, BLOCK_N, IEEE, UPCAST, False,
+        )
     kb = n_steps * KEY_BLOCKS + n  # the last step's spill (zeros where nothing spills)
     tl.store(out_rows + kb[None, :] * stride_on, carry, mask=row_mask & (kb < num_key_blocks)[None, :])
 
