@@ -29,7 +29,10 @@ are) and ``overlap`` counting the stride-sized sub-chunks ``m .. m + kernel/stri
 * **Windows.** ``BLOCK_N`` windows per inner step, indexed as (key block, member) pairs padded to
   ``next_pow2(block_size / stride)`` members, so that a step holds the windows that *start* in
   ``BLOCK_N / next_pow2(block_size / stride)`` whole key blocks. Steps past the last window any
-  row of the program may see (the causal limit) are skipped.
+  row of the program may see (the causal limit) are skipped. The leading steps whose every window
+  the program's earliest usable row sees (all but the last one or two at long contexts) run
+  without the causal mask and with unmasked key loads: rows that are not usable read a zero query
+  (and, in pass 2, a zero 1/sum), so they add nothing without a per-element test.
 * **Pass 1** (:func:`_stats_kernel`, one program per row tile x head chunk): the online maximum
   and sum of ``exp2`` of the base-2 logits (``log2(e)`` folded into the scale) over each row's
   valid windows; 8 bytes per query row and query head.
