@@ -44,7 +44,10 @@ def _triton(q, k, seq, bs, kernel, stride, scale=None, **kw):
 
 
 def _mode(bs, kernel, stride, scorer, **extra):
-    cfg = {"block_size": bs, "compress_kernel": kernel, "compress_stride": stride, "scorer": scorer}
+    """The mode scoring the float32 window means (``score_keys: float32``, what the kernel function
+    computes with its default split) unless ``extra`` says otherwise."""
+    cfg = {"block_size": bs, "compress_kernel": kernel, "compress_stride": stride, "scorer": scorer,
+           "score_keys": "float32"}
     cfg.setdefault("top_n", 3)
     return make_mode("nsa", {**cfg, "init_blocks": 1, "local_blocks": 1, "window": 0, **extra})
 
@@ -317,15 +320,17 @@ def test_pinned_triton_names_an_unsupported_input(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_32k_importance_and_layout():
-    """32K, bf16, Llama-8B heads (32 query / 8 KV, d 128), the paper's block / kernel / stride."""
+@pytest.mark.parametrize("score_keys", ["input", "float32"])
+def test_gpu_32k_importance_and_layout(score_keys):
+    """32K, bf16, Llama-8B heads (32 query / 8 KV, d 128), the paper's block / kernel / stride;
+    the compressed keys rounded to bfloat16 (the default: one term) or in float32 (two terms)."""
     torch.manual_seed(0)
     n, hq, hkv, d = 32768, 32, 8, 128
     q = torch.randn(1, hq, n, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, hkv, n, d, device="cuda", dtype=torch.bfloat16)
     seq = SeqInfo.dense(1, n, n, "cuda")
-    torch_mode = make_mode("nsa", {"scorer": "torch"})
-    triton_mode = make_mode("nsa", {"scorer": "auto"})
+    torch_mode = make_mode("nsa", {"scorer": "torch", "score_keys": score_keys})
+    triton_mode = make_mode("nsa", {"scorer": "auto", "score_keys": score_keys})
     assert triton_mode.scoring_backend(q, k) == "triton"
     with torch.no_grad():
         ref = torch_mode.block_importance(q, k, seq)
