@@ -137,16 +137,21 @@ def _run(args: argparse.Namespace, decode_module: Any) -> dict[str, Any]:
         print(f"{name:24s} host {row['host_us']:9.1f} us (fastest block {row['host_us_min']:9.1f})   "
               f"with the GPU {row['with_gpu_us']:9.1f} us", flush=True)
     if args.cprofile:
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(args.cprofile):
-            kernel()
-        profiler.disable()
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(20)
-        report["cprofile"] = text.getvalue()
+        report["cprofile"] = cprofile_text(kernel, args.cprofile)
         print(report["cprofile"])
     return report
+
+
+def cprofile_text(fn: Callable[[], object], calls: int, top: int = 20) -> str:
+    """cProfile's table of ``calls`` calls of ``fn``: the ``top`` functions by own time."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,17 +26,14 @@ pieces time the host code alone on any machine (under ``TRITON_INTERPRET=1`` on 
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
 import os
-import pstats
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from decode_host_timing import _NoLaunch, _timed, cprofile_text  # tools/ is the script's folder: sys.path[0]
 
 from elasticfw.atomic import atomic_write_text
 from elasticfw.attention.seq import SeqInfo
@@ -45,33 +42,6 @@ from elasticfw.registry import get_registry
 from elasticfw.routing.base import HeadLayout
 
 KV_HEADS, Q_HEADS, HEAD_DIM = 8, 32, 128
-
-
-class _NoLaunch:
-    """Stands for a Triton kernel whose launch (``kernel[grid](...)``) does nothing."""
-
-    def __getitem__(self, grid: object) -> Callable[..., None]:
-        return lambda *a, **kw: None
-
-
-def _timed(fn: Callable[[], object], layers: int, blocks: int, warmup: int, device: torch.device) -> dict[str, float]:
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    for _ in range(warmup):
-        fn()
-    sync()
-    hosts, totals = [], []
-    for _ in range(blocks):
-        start = time.perf_counter()
-        fn()
-        hosts.append(time.perf_counter() - start)
-        sync()
-        totals.append(time.perf_counter() - start)
-    median = sorted(range(blocks), key=lambda i: hosts[i])[blocks // 2]
-    return {"host_us": 1e6 * hosts[median] / layers, "with_gpu_us": 1e6 * totals[median] / layers,
-            "host_us_min": 1e6 * min(hosts) / layers}
 
 
 def _graph_us(fn: Callable[[], object], layers: int, device: torch.device) -> float | str:
@@ -158,22 +128,16 @@ def _run(args: argparse.Namespace, mlp_fused: Any) -> dict[str, Any]:
         "benchmark": "router_timing", "environment": environment(device), "tokens": args.tokens, "layers": layers,
         "no_launch": args.no_launch, "router_kernel": kernel, "us": {},
     }
-    for name, fn in pieces.items():
-        row = report["us"][name] = _timed(fn, layers, args.blocks, args.warmup, device)
+    for name, fn in pieces.items():  # one call of each piece is a pass over every layer
+        per_pass = _timed(fn, 1, args.warmup, device, args.blocks)
+        row = report["us"][name] = {key: us / layers for key, us in per_pass.items()}
         print(f"{name:16s} host {row['host_us']:8.1f} us/layer (fastest block {row['host_us_min']:8.1f})   "
               f"with the GPU {row['with_gpu_us']:8.1f}", flush=True)
     if not args.no_launch:
         report["gpu_us_per_layer"] = _graph_us(decide, layers, device)
         print(f"CUDA graph replay: {report['gpu_us_per_layer']} us/layer on the GPU", flush=True)
     if args.cprofile:
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(args.cprofile):
-            decide()
-        profiler.disable()
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
-        report["cprofile"] = text.getvalue()
+        report["cprofile"] = cprofile_text(decide, args.cprofile)
         print(report["cprofile"])
     return report
 
