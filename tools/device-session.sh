@@ -69,5 +69,16 @@ print(f"torch {torch.__version__} cuda {torch.version.cuda} gpus {torch.cuda.dev
       f"pydantic {pydantic.__version__}; datasets {datasets.__version__}")
 PY
 start=$(date +%s)
-"$@"
-echo "[device-session] command took $(( $(date +%s) - start )) s"
+rc=0
+"$@" || rc=$?
+echo "[device-session] command took $(( $(date +%s) - start )) s (exit $rc)"
+# a call returns at most 8 files from $OUT (and none more than two folders down): beyond that, the
+# files left out are lost with the machine, so more than 8 travel back as one archive, out.tgz
+if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
+  files=$(find "$OUT" -type f | wc -l)
+  if [ "$files" -gt 8 ]; then
+    tar -czf "$STORE/out.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "$STORE/out.tgz" "$OUT/out.tgz"
+    echo "[device-session] $files files under \$OUT packed into out.tgz (tar -xzf out.tgz here)"
+  fi
+fi
+exit $rc
