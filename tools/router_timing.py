@@ -102,8 +102,8 @@ def _run(args: argparse.Namespace, mlp_fused: Any) -> dict[str, Any]:
     logits = torch.empty(1, KV_HEADS, 2, device=device)
     s = keys.stride()
     launch_args = [(keys, keys.shape[2], *s, KV_HEADS, *p, hard[0], hard[1], logits) for p in params]
-    meta = dict(DIM=HEAD_DIM, HID=4 * HEAD_DIM, POOL=pool, FROM_KEYS=True, BLOCK_D=HEAD_DIM, BLOCK_H=64,
-                BLOCK_T=64, ROUND=False, num_warps=mlp_fused.NUM_WARPS)
+    weight = params[0][0]
+    meta = mlp_fused._meta(HEAD_DIM, weight.shape[0], pool, True, weight.dtype)  # the router's own launch constants
 
     @torch.no_grad()
     def decide() -> None:
