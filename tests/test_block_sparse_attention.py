@@ -240,7 +240,8 @@ def _block_inputs(seq, hq, hkv, hs, dim, dtype, bs, density, seed=0):
 
 @pytest.mark.parametrize("name", list(BLOCK_CASES))
 def test_block_layout_kernel_matches_the_definition(name):
-    from elasticfw.kernels.block_sparse_attention import Tiles, block_layout_attention, work_lists
+    from elasticfw.kernels.block_sparse_attention import Tiles, block_layout_attention
+    from elasticfw.kernels.work_lists import work_lists
 
     make, hq, hkv, hs, dim, dtype, bs, density, (bm, bn) = BLOCK_CASES[name]
     seq = make()
@@ -262,7 +263,7 @@ def test_block_layout_kernel_matches_the_definition(name):
 
 def test_work_lists_split_clean_from_masked_chunks():
     """Hand-checked lists: 4 query rows per tile, 2 keys per chunk, one 4-key block per layout row."""
-    from elasticfw.kernels.block_sparse_attention import work_lists
+    from elasticfw.kernels.work_lists import work_lists
 
     seq = SeqInfo.dense(1, 12, 12)  # 3 tiles of 4 rows, 6 chunks of 2 keys, 3 blocks of 4
     blocks = torch.tensor([[[[1, 0, 0], [1, 1, 0], [0, 1, 1]]]], dtype=torch.bool)
@@ -401,7 +402,8 @@ WINDOW_CASES = {
 
 @pytest.mark.parametrize("name", list(WINDOW_CASES))
 def test_selection_with_a_sliding_window_matches_the_definition(name):
-    from elasticfw.kernels.block_sparse_attention import Tiles, row_selection_attention, work_lists
+    from elasticfw.kernels.block_sparse_attention import Tiles, row_selection_attention
+    from elasticfw.kernels.work_lists import work_lists
 
     make, hq, hkv, hs, dim, row_block, group, window, density, (bm, bn) = WINDOW_CASES[name]
     seq = make()
@@ -436,10 +438,11 @@ def test_reusable_layouts_plan_their_work_once(monkeypatch):
     seq = SeqInfo.dense(2, 256, 256)  # a host signature: what the runtime's prefill passes
     layout = dataclasses.replace(layout, reusable=True)
     import elasticfw.kernels.block_sparse_attention as bsa
+    import elasticfw.kernels.work_lists as wl
 
     plans = []
-    real = bsa.plan_work
-    monkeypatch.setattr(bsa, "plan_work", lambda *a, **kw: plans.append(1) or real(*a, **kw))
+    real = wl.plan_work
+    monkeypatch.setattr(wl, "plan_work", lambda *a, **kw: plans.append(1) or real(*a, **kw))
     ex = FlexExecutor(FlexConfig(sparse_kernel="triton"))
     with torch.no_grad():
         ref = reference_executor().attend(q, k, v, layout, seq, scale=0.25)
@@ -492,13 +495,14 @@ def test_64_token_layouts_run_64_row_tiles_and_match_the_definition(monkeypatch)
     work lists hold only what that row selects), and the result meets the float64 definition; through
     the flex executor with no ``sparse_kernel_tiles`` the kernel receives the same configuration."""
     import elasticfw.kernels.block_sparse_attention as bsa
+    import elasticfw.kernels.work_lists as wl
     from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
 
     seq = _seq([0, 0], [256, 190], 256, 256)
     q, k, v, layout = _block_inputs(seq, 4, 2, 2, 16, torch.float32, 64, 0.5, seed=3)
     plans = []
-    real_plan = bsa.plan_work
-    monkeypatch.setattr(bsa, "plan_work", lambda *a, **kw: plans.append(real_plan(*a, **kw)) or plans[-1])
+    real_plan = wl.plan_work
+    monkeypatch.setattr(wl, "plan_work", lambda *a, **kw: plans.append(real_plan(*a, **kw)) or plans[-1])
     out, lse = bsa.block_layout_attention(q, k, v, layout, seq, scale=0.25)
     assert [(p.block_m, p.block_n) for p in plans] == [(64, 64)]
     # one tile per layout row: a tile's clean list is exactly its row's selected blocks before its
@@ -532,8 +536,9 @@ def test_compact_work_lists_attend_as_the_definition(triton_lists, monkeypatch):
     list with the dense strides, or a tile's masked chunks from its start instead of after its clean
     ones, gives other keys."""
     from elasticfw.kernels import block_sparse_attention as bsa
+    from elasticfw.kernels import work_lists as wl
 
-    monkeypatch.setattr(bsa, "TRITON_WORK_LISTS", triton_lists)
+    monkeypatch.setattr(wl, "TRITON_WORK_LISTS", triton_lists)
     seq = _seq([0, 30], [150, 140], 110, 150)
     g = torch.Generator().manual_seed(11)
     q = torch.randn(2, 4, 110, 16, generator=g)
@@ -542,8 +547,8 @@ def test_compact_work_lists_attend_as_the_definition(triton_lists, monkeypatch):
     selected[..., 0] = True  # every row selects the first group: clean chunks for the later tiles
     selection = RowSelection(selected, 32, row_block=1, window=24)
     tiles = bsa.Tiles(block_m=32, block_n=16, num_warps=4, num_stages=2)
-    plan = bsa.plan_work(selection, seq, tiles, compact=True)
-    dense = bsa.work_lists(selection, seq, 32, 16)
+    plan = wl.plan_work(selection, seq, tiles, compact=True)
+    dense = wl.work_lists(selection, seq, 32, 16)
     assert plan.start is not None and plan.masked is plan.clean and plan.clean.dim() == 1
     assert plan.clean.numel() == int(dense[1].sum() + dense[3].sum()) < dense[0].numel()
     assert int(dense[1].sum()) > 0 and int(dense[3].sum()) > 0  # both loops read the flat list
@@ -564,19 +569,20 @@ def test_plan_work_goes_compact_above_the_threshold(monkeypatch):
     ``COMPACT_LISTS_ABOVE`` bytes (2 * 4 * B * H * tiles * chunks, counted here by hand), and a
     malformed compact plan is refused by name."""
     from elasticfw.kernels import block_sparse_attention as bsa
+    from elasticfw.kernels import work_lists as wl
 
     seq = SeqInfo.dense(1, 96, 96)
     selection = RowSelection(torch.ones(1, 2, 3, 3, dtype=torch.bool), 32, row_block=32)
     tiles = bsa.Tiles(block_m=32, block_n=32, num_warps=4, num_stages=2)
-    assert bsa.dense_list_bytes(selection, seq, 32, 32) == 2 * 4 * 1 * 2 * 3 * 3
-    assert bsa.COMPACT_LISTS_ABOVE == 2 * 2**30
-    assert bsa.plan_work(selection, seq, tiles).start is None
-    monkeypatch.setattr(bsa, "COMPACT_LISTS_ABOVE", 144)
-    assert bsa.plan_work(selection, seq, tiles).start is None  # 144 bytes is not above 144
-    monkeypatch.setattr(bsa, "COMPACT_LISTS_ABOVE", 143)
-    plan = bsa.plan_work(selection, seq, tiles)
+    assert wl.dense_list_bytes(selection, seq, 32, 32) == 2 * 4 * 1 * 2 * 3 * 3
+    assert wl.COMPACT_LISTS_ABOVE == 2 * 2**30
+    assert wl.plan_work(selection, seq, tiles).start is None
+    monkeypatch.setattr(wl, "COMPACT_LISTS_ABOVE", 144)
+    assert wl.plan_work(selection, seq, tiles).start is None  # 144 bytes is not above 144
+    monkeypatch.setattr(wl, "COMPACT_LISTS_ABOVE", 143)
+    plan = wl.plan_work(selection, seq, tiles)
     assert plan.start is not None and plan.start.tolist() == [[[0, 1, 3], [0 + 6, 7, 9]]]
     q = k = v = torch.randn(1, 2, 96, 16)
-    bad = bsa.WorkPlan(plan.clean, plan.clean_count, plan.clean.clone(), plan.masked_count, 32, 32, plan.start)
+    bad = wl.WorkPlan(plan.clean, plan.clean_count, plan.clean.clone(), plan.masked_count, 32, 32, plan.start)
     with pytest.raises(ValueError, match="compact work plan"):
         bsa.row_selection_attention(q, k, v, selection, seq, scale=0.25, tiles=tiles, plan=bad)

@@ -49,12 +49,12 @@ def test_gpu_32k_block_layouts_match_flexattention(mode):
 @pytest.mark.parametrize("mode", ["xattention", "nsa"])
 def test_gpu_32k_compact_work_lists_match_flexattention(mode, monkeypatch):
     """The compact work lists (every plan compact: the threshold at 0) through the flex executor."""
-    from elasticfw.kernels import block_sparse_attention as bsa
+    from elasticfw.kernels import work_lists as wl
 
     plans = []
-    real = bsa.plan_work
-    monkeypatch.setattr(bsa, "COMPACT_LISTS_ABOVE", 0)
-    monkeypatch.setattr(bsa, "plan_work", lambda *a, **kw: plans.append(real(*a, **kw)) or plans[-1])
+    real = wl.plan_work
+    monkeypatch.setattr(wl, "COMPACT_LISTS_ABOVE", 0)
+    monkeypatch.setattr(wl, "plan_work", lambda *a, **kw: plans.append(real(*a, **kw)) or plans[-1])
     _compare(mode, {}, 32768)
     assert plans and all(p.start is not None for p in plans)
 

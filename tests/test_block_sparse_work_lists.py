@@ -66,7 +66,7 @@ def _sees(selection, seq, b, h, i, j):
           suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_work_lists_follow_the_definition(case):
-    from elasticfw.kernels.block_sparse_attention import work_lists
+    from elasticfw.kernels.work_lists import work_lists
 
     selection, seq, block_m, block_n = case
     clean, n_clean, masked, n_masked = work_lists(selection, seq, block_m, block_n)

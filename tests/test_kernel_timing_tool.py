@@ -24,14 +24,14 @@ def test_sparse_kernel_timing_writes_every_row(tmp_path, monkeypatch):
 
     from elasticfw.attention.seq import SeqInfo
     from elasticfw.bench.inputs import structured_qkv
-    from elasticfw.kernels import block_sparse_attention as bsa
+    from elasticfw.kernels import work_lists as wl
 
     def layer(args):
         q, k, v = structured_qkv(1, args.query_heads, args.kv_heads, args.tokens, args.head_dim, seed=0)
         return q, k, v, SeqInfo.dense(1, args.tokens, args.tokens)
 
     calls = []
-    monkeypatch.setattr(bsa, "TRITON_WORK_LISTS", True)  # restored after the test whatever the tool does
+    monkeypatch.setattr(wl, "TRITON_WORK_LISTS", True)  # restored after the test whatever the tool does
     monkeypatch.setattr(tool, "structured_layer", layer)
     monkeypatch.setattr(tool, "dense_layer", lambda q, k, v: lambda: None)
     monkeypatch.setattr(tool, "timed", lambda fn, repeats: (fn(), calls.append(1), 2.0)[-1])
@@ -54,7 +54,7 @@ def test_sparse_kernel_timing_writes_every_row(tmp_path, monkeypatch):
         notes = report["notes"]
         assert notes[f"{mode}: triton work lists equal torch's"] == 1.0
         assert 0 < notes[f"{mode}: compact lists, MB"] < notes[f"{mode}: dense lists, MB"]
-    assert bsa.TRITON_WORK_LISTS is True  # the tool puts the module's default back
+    assert wl.TRITON_WORK_LISTS is True  # the tool puts the module's default back
 
 
 def test_cpu_layer_timing_writes_a_row_per_phase_and_mode(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """The Triton work-list builder (elasticfw.kernels.work_lists) against the definition
-(elasticfw.kernels.block_sparse_attention.work_lists, torch) and a hand-checked case, under Triton's
+(elasticfw.kernels.work_lists.work_lists, torch) and a hand-checked case, under Triton's
 interpreter (on CUDA where there is one, and at 32K with the ``gpu`` mark): the four lists
 equal, entry for entry, over tiles that cover one or several layout
 rows or part of one, query starts off the tile grid, padded keys, decode rows, windows, tables
@@ -45,8 +45,7 @@ CASES = {
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_work_lists_equal_the_definition(name):
-    from elasticfw.kernels.block_sparse_attention import work_lists
-    from elasticfw.kernels.work_lists import work_lists_triton
+    from elasticfw.kernels.work_lists import work_lists, work_lists_triton
 
     make, table_batch, heads, row_block, group, window, extra, block_m, block_n, density = CASES[name]
     seq = make()
@@ -68,8 +67,7 @@ def test_compact_lists_hold_each_tiles_lists(name):
     """The compact form (one flat list, tile after tile, clean then masked, from a start offset) built
     by the two-launch Triton builder equals :func:`compact_lists` of the definition's dense lists,
     and both hold each tile's lists, read here tile by tile from the dense ones."""
-    from elasticfw.kernels.block_sparse_attention import work_lists
-    from elasticfw.kernels.work_lists import compact_lists, work_lists_triton_compact
+    from elasticfw.kernels.work_lists import compact_lists, work_lists, work_lists_triton_compact
 
     make, table_batch, heads, row_block, group, window, extra, block_m, block_n, density = CASES[name]
     seq = make()
@@ -120,7 +118,7 @@ def test_plan_work_takes_the_triton_builder_by_default(monkeypatch):
     import elasticfw.kernels.block_sparse_attention as bsa
     import elasticfw.kernels.work_lists as wl
 
-    assert bsa.TRITON_WORK_LISTS is True
+    assert wl.TRITON_WORK_LISTS is True
     n = 192
     seq = SeqInfo.dense(1, n, n, device=DEV)
     g = torch.Generator().manual_seed(2)
@@ -137,12 +135,12 @@ def test_plan_work_takes_the_triton_builder_by_default(monkeypatch):
     scores = (qd @ kd.transpose(-1, -2) * 0.25).masked_fill(~seen.repeat_interleave(2, 0), float("-inf"))
     want = torch.softmax(scores, -1) @ vd
     triton_calls, torch_calls = [], []
-    real_triton, real_torch = wl.work_lists_triton, bsa.work_lists
+    real_triton, real_torch = wl.work_lists_triton, wl.work_lists
     monkeypatch.setattr(wl, "work_lists_triton", lambda *a: triton_calls.append(a) or real_triton(*a))
-    monkeypatch.setattr(bsa, "work_lists", lambda *a: torch_calls.append(a) or real_torch(*a))
+    monkeypatch.setattr(wl, "work_lists", lambda *a: torch_calls.append(a) or real_torch(*a))
     on = bsa.row_selection_attention(q, k, v, selection, seq, scale=0.25)
     assert (len(triton_calls), len(torch_calls)) == (1, 0)
-    monkeypatch.setattr(bsa, "TRITON_WORK_LISTS", False)
+    monkeypatch.setattr(wl, "TRITON_WORK_LISTS", False)
     off = bsa.row_selection_attention(q, k, v, selection, seq, scale=0.25)
     assert (len(triton_calls), len(torch_calls)) == (1, 1)
     for out in (on, off):
@@ -158,8 +156,12 @@ def test_gpu_32k_xattention_like_lists(block_m, window):
     """At 32K tokens, 32 table heads of 64-token blocks at about 20% density (an XAttention-like
     layout: every row keeps its diagonal), with and without NSA's 512-token window: the compiled
     kernel's lists equal torch's, and so does its compact form."""
-    from elasticfw.kernels.block_sparse_attention import work_lists
-    from elasticfw.kernels.work_lists import compact_lists, work_lists_triton, work_lists_triton_compact
+    from elasticfw.kernels.work_lists import (
+        compact_lists,
+        work_lists,
+        work_lists_triton,
+        work_lists_triton_compact,
+    )
 
     n, bs = 32768, 64
     seq = SeqInfo.dense(1, n, n, device="cuda")

@@ -17,7 +17,7 @@ CUDA-event-timed calls against one dense causal cuDNN SDPA layer:
 * with ``--tiles BM,BN,WARPS,STAGES ...`` the kernel under those launch configurations, and with
   ``--gather-tiles ...`` the gathered call under those;
 * with ``--triton-work-lists`` the ``plan``, ``kernel`` and ``call`` rows use torch's work lists
-  (:func:`~elasticfw.kernels.block_sparse_attention.work_lists`), and ``plan, triton lists`` and
+  (:func:`~elasticfw.kernels.work_lists.work_lists`), and ``plan, triton lists`` and
   ``call, triton lists`` rows time those built by the Triton kernel of
   :mod:`elasticfw.kernels.work_lists` (``TRITON_WORK_LISTS``, the default), with whether its lists
   equal torch's; without it every row uses the default builder;
@@ -75,6 +75,7 @@ def _option_sweep(args, q, k, v, seq, scale, results, notes) -> None:  # type: i
 
     from elasticfw.bench.density import random_block_layout
     from elasticfw.kernels import block_sparse_attention as bsa
+    from elasticfw.kernels import work_lists as wl
 
     saved = bsa.USE_TMA, bsa.REVERSE_TILES, bsa.GROUP_HEADS
     tiles = [bsa.DEFAULT_TILES] + [_tiles(spec) for spec in args.tiles]
@@ -85,7 +86,7 @@ def _option_sweep(args, q, k, v, seq, scale, results, notes) -> None:  # type: i
             bsa.USE_TMA, bsa.REVERSE_TILES, bsa.GROUP_HEADS = _option_values(option)
             for t in tiles:
                 label = f"option {option} tiles {t.block_m},{t.block_n},{t.num_warps},{t.num_stages} @{density}"
-                plan = bsa.plan_work(bsa.layout_selection(layout), seq, t)  # type: ignore[arg-type]
+                plan = wl.plan_work(bsa.layout_selection(layout), seq, t)  # type: ignore[arg-type]
                 try:
                     call = lambda t=t, w=plan, lay=layout: bsa.block_layout_attention(  # noqa: E731
                         q, k, v, lay, seq, scale=scale, tiles=t, plan=w)
@@ -122,11 +123,12 @@ def main() -> None:
     scale = d**-0.5
     from elasticfw.kernels import block_sparse_attention as bsa
     from elasticfw.kernels import gather_attention as ga
+    from elasticfw.kernels import work_lists as wl
 
     results: dict[str, float] = {}
     notes: dict[str, float] = {}
     profiles = []
-    default_lists = bsa.TRITON_WORK_LISTS  # the module default (the Triton builder)
+    default_lists = wl.TRITON_WORK_LISTS  # the module default (the Triton builder)
     with torch.no_grad():
         results["dense cuDNN SDPA layer"] = timed(dense, args.repeats)
         if args.options:
@@ -140,15 +142,15 @@ def main() -> None:
             selection = bsa.layout_selection(layout)
             assert selection is not None
             # the plan / kernel / call rows: torch's lists when comparing builders, else the default builder
-            bsa.TRITON_WORK_LISTS = default_lists and not args.triton_work_lists
-            plan = bsa.plan_work(selection, seq)
+            wl.TRITON_WORK_LISTS = default_lists and not args.triton_work_lists
+            plan = wl.plan_work(selection, seq)
             # the key chunks the tiles visit, against those of the full causal layer: the kernel's time
             # at this layout should be about this share of its time at density 1 (``--options`` rows)
             tile_end = torch.clamp(torch.arange(1, plan.clean_count.shape[-1] + 1) * plan.block_m, max=n)
             causal = int(((tile_end + plan.block_n - 1) // plan.block_n).sum()) * hq
             visits = int((plan.clean_count + plan.masked_count).sum()) * (hq // selection.selected.shape[1])
             notes[f"{name}: chunk share of the causal layer"] = visits / causal
-            results[f"{name}: plan"] = timed(lambda s=selection: bsa.plan_work(s, seq), args.repeats)
+            results[f"{name}: plan"] = timed(lambda s=selection: wl.plan_work(s, seq), args.repeats)
             results[f"{name}: kernel"] = timed(
                 lambda s=selection, w=plan: bsa.row_selection_attention(q, k, v, s, seq, scale=scale, plan=w),
                 args.repeats)
@@ -156,38 +158,36 @@ def main() -> None:
                 lambda s=selection: bsa.row_selection_attention(q, k, v, s, seq, scale=scale), args.repeats)
             calls = [(f"{name} tiles", lambda s=selection: bsa.row_selection_attention(q, k, v, s, seq, scale=scale))]
             if args.triton_work_lists:  # the same plan and call with the lists built by the Triton kernel
-                from elasticfw.kernels.work_lists import work_lists_triton
-
-                triton_plan = bsa.WorkPlan(*work_lists_triton(selection, seq, plan.block_m, plan.block_n),
-                                           plan.block_m, plan.block_n)
+                triton_plan = wl.WorkPlan(*wl.work_lists_triton(selection, seq, plan.block_m, plan.block_n),
+                                          plan.block_m, plan.block_n)
                 same = all(torch.equal(a, b) for a, b in zip(
                     (plan.clean, plan.clean_count, plan.masked, plan.masked_count),
                     (triton_plan.clean, triton_plan.clean_count, triton_plan.masked, triton_plan.masked_count)))
                 notes[f"{name}: triton work lists equal torch's"] = float(same)
-                bsa.TRITON_WORK_LISTS = True
+                wl.TRITON_WORK_LISTS = True
                 try:
-                    results[f"{name}: plan, triton lists"] = timed(lambda s=selection: bsa.plan_work(s, seq),
+                    results[f"{name}: plan, triton lists"] = timed(lambda s=selection: wl.plan_work(s, seq),
                                                                    args.repeats)
                     results[f"{name}: call, triton lists"] = timed(
                         lambda s=selection: bsa.row_selection_attention(q, k, v, s, seq, scale=scale), args.repeats)
                 finally:
-                    bsa.TRITON_WORK_LISTS = False
+                    wl.TRITON_WORK_LISTS = False
             if args.compact_lists:  # the compact form (one flat list, a start per tile) and the kernel over it
-                saved_lists, bsa.TRITON_WORK_LISTS = bsa.TRITON_WORK_LISTS, default_lists  # the default builder
+                saved_lists, wl.TRITON_WORK_LISTS = wl.TRITON_WORK_LISTS, default_lists  # the default builder
                 try:
-                    compact = bsa.plan_work(selection, seq, compact=True)
-                    notes[f"{name}: dense lists, MB"] = bsa.dense_list_bytes(
+                    compact = wl.plan_work(selection, seq, compact=True)
+                    notes[f"{name}: dense lists, MB"] = wl.dense_list_bytes(
                         selection, seq, plan.block_m, plan.block_n) / 1e6
                     notes[f"{name}: compact lists, MB"] = (
                         compact.clean.numel() * 4 + compact.clean_count.numel() * 16) / 1e6
                     results[f"{name}: plan, compact"] = timed(
-                        lambda s=selection: bsa.plan_work(s, seq, compact=True), args.repeats)
+                        lambda s=selection: wl.plan_work(s, seq, compact=True), args.repeats)
                     results[f"{name}: kernel, compact"] = timed(
                         lambda s=selection, w=compact: bsa.row_selection_attention(q, k, v, s, seq, scale=scale,
                                                                                    plan=w), args.repeats)
                     del compact
                 finally:
-                    bsa.TRITON_WORK_LISTS = saved_lists
+                    wl.TRITON_WORK_LISTS = saved_lists
             for spec in args.tiles:
                 tiles = _tiles(spec)
                 results[f"{name}: call, tiles {spec}"] = timed(
@@ -227,7 +227,7 @@ def main() -> None:
                     profiles.append({"call": label, "table": table})
             del layout, selection, plan
             torch.cuda.empty_cache()
-    bsa.TRITON_WORK_LISTS = default_lists  # the module default back for whoever imported it
+    wl.TRITON_WORK_LISTS = default_lists  # the module default back for whoever imported it
     base = results["dense cuDNN SDPA layer"]
     print(f"{torch.cuda.get_device_name()}: B=1, {n} tokens, Hq={hq}, Hkv={hkv}, d={d}, bf16, structured inputs")
     for name, ms in results.items():

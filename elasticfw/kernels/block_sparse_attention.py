@@ -15,15 +15,12 @@ and values head ``h // (Hq / Hkv)`` (GQA without copying K/V). That covers:
   token mask (XAttention, MoBA per query block, block streaming, full), as the selection
   ``(blocks, block_size, row_block=block_size)``.
 
-* **Work lists** (:func:`work_lists`, the definition in torch; built by one Triton launch,
-  :mod:`elasticfw.kernels.work_lists`, while :data:`TRITON_WORK_LISTS` is on, the default). Per (sample, table head, tile of ``BLOCK_M`` query
-  rows), the key chunks of ``BLOCK_N`` keys the tile must visit, in two lists: *clean* chunks,
-  which every row of the tile sees whole (selected by every row or inside every row's window,
-  wholly at or before the tile's first position and below ``kv_len``: no mask at all), and
-  *masked* chunks, the rest of what the tile's rows see, up to its causal limit and ``kv_len``
-  (masked by the rows' flags and window, causality and ``kv_len``). So a tile computes only what
-  its rows select, and evaluates no mask function. Lists are compacted by
-  :func:`~elasticfw.attention.layout.index_lists` (a cumulative sum and a scatter, not a sort).
+* **Work lists** (planned by :mod:`elasticfw.kernels.work_lists`:
+  :func:`~elasticfw.kernels.work_lists.plan_work`, or a caller's
+  :class:`~elasticfw.kernels.work_lists.WorkPlan`). Per (sample, table head, tile of ``BLOCK_M``
+  query rows), the key chunks of ``BLOCK_N`` keys the tile must visit: *clean* chunks, which every
+  row of the tile sees whole (no mask at all), and *masked* ones, the rest of what its rows see. So
+  a tile computes only what its rows select, and evaluates no mask function.
 * **Kernel.** One program per (tile, query head, sample), FlashAttention-style: an online
   softmax in base 2 over the clean list, then the masked list; 16-bit ``q . k`` and ``p . v`` on
   tensor cores with float32 accumulation (float32 inputs in IEEE float32). Clean chunks read K
@@ -36,45 +33,41 @@ and values head ``h // (Hq / Hkv)`` (GQA without copying K/V). That covers:
 
 Forward only (no autograd): the flex executor uses it for inference calls with ``sparse_kernel``
 ``triton`` (or ``auto`` on CUDA), FlexAttention otherwise. Memory beyond the inputs and the
-outputs: the two lists, dense, ``2 * 4 * B * H * (Sq / BLOCK_M) * (Sk / BLOCK_N)`` bytes (at 128K
-tokens for 32 table heads and 128-row tiles, 0.27 GB with 128-key chunks, 0.54 GB with 64-key ones;
-1.07 GB with the 64-row tiles of 64-token layouts), and, with the torch builder, its boolean
-temporaries. Dense lists grow with the square of the sequence (about 69 GB at 1M tokens for
-64-token layouts of 32 heads), so above :data:`COMPACT_LISTS_ABOVE` bytes :func:`plan_work` builds
-the compact form (:class:`WorkPlan`): 4 bytes per visited (tile, chunk) and 16 per tile.
+outputs: the work lists, dense or, above
+:data:`~elasticfw.kernels.work_lists.COMPACT_LISTS_ABOVE` bytes of dense lists, compact (their sizes:
+:mod:`elasticfw.kernels.work_lists`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from elasticfw.attention.layout import BlockLayout, RowSelection, index_lists
+from elasticfw.attention.layout import BlockLayout, RowSelection
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
 from elasticfw.kernels import cdiv, interpreting, next_pow2, unsupported_tensor
 
+if TYPE_CHECKING:  # the planning module imports this one: plan_work is imported where it is called
+    from elasticfw.kernels.work_lists import WorkPlan
+
 __all__ = [
     "Tiles",
-    "WorkPlan",
     "block_layout_attention",
     "check_inputs",
     "default_tiles",
-    "dense_list_bytes",
     "flag_table",
     "kv_descriptor",
     "kv_descriptors",
     "load_rows",
     "layout_selection",
-    "plan_work",
     "row_selection_attention",
     "unsupported",
     "unsupported_layout",
-    "work_lists",
 ]
 
 MAX_HEAD_DIM = 256
@@ -169,117 +162,6 @@ def unsupported_layout(layout: BlockLayout, tiles: Tiles = DEFAULT_TILES) -> str
     if _chunk_size(selection.group_size, tiles.block_n) is None:
         return f"key group size {selection.group_size} is not a multiple of 16"
     return None
-
-
-# ---------------------------------------------------------------------------------------------
-# work lists
-# ---------------------------------------------------------------------------------------------
-
-
-def work_lists(
-    selection: RowSelection, seq: SeqInfo, block_m: int, block_n: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's work lists (module docstring) for ``selection``: ``(clean, clean_count,
-    masked, masked_count)``, lists (B, H, NT, NC) int32 of key-chunk indices (chunks of ``block_n``
-    keys; ``block_n`` divides the group size), counts (B, H, NT) int32."""
-    sel, row_block, group_size = selection.selected, selection.row_block, selection.group_size
-    batch, q_len = seq.batch, seq.q_len
-    heads, groups = sel.shape[1], sel.shape[3]
-    device = sel.device
-    tiles = math.ceil(q_len / block_m)
-    chunks = math.ceil(seq.kv_capacity / block_n)
-    first_row = torch.arange(tiles, device=device) * block_m
-    last_row = torch.clamp(first_row + block_m, max=q_len) - 1
-    pos0 = seq.q_start[:, None] + first_row[None, :]  # (B, NT) the tiles' first and last positions
-    pos1 = seq.q_start[:, None] + last_row[None, :]
-    base = torch.div(seq.q_start, row_block, rounding_mode="floor")[:, None]
-    r_lo = torch.div(pos0, row_block, rounding_mode="floor") - base
-    r_hi = torch.div(pos1, row_block, rounding_mode="floor") - base
-    span = min(sel.shape[2], (block_m + row_block - 1) // row_block + 1)
-    rows = torch.minimum(r_lo[..., None] + torch.arange(span, device=device), r_hi[..., None])  # (B, NT, span)
-    table = sel.expand(batch, *sel.shape[1:]) if sel.shape[0] != batch else sel
-    index = rows.reshape(batch, 1, tiles * span, 1).expand(batch, heads, tiles * span, groups)
-    picked = table.gather(2, index).view(batch, heads, tiles, span, groups)
-    union, common = picked.any(3), picked.all(3)  # (B, H, NT, G)
-    per = group_size // block_n
-    if per > 1:
-        union = union.repeat_interleave(per, -1)
-        common = common.repeat_interleave(per, -1)
-    union, common = union[..., :chunks], common[..., :chunks]
-    if union.shape[-1] < chunks:  # a table narrower than the keys: the rest is not selected
-        pad = chunks - union.shape[-1]
-        union = torch.nn.functional.pad(union, (0, pad))
-        common = torch.nn.functional.pad(common, (0, pad))
-    start = torch.arange(chunks, device=device) * block_n  # (NC,)
-    kv_len = seq.kv_len[:, None, None]
-    reach = (start <= pos1[..., None]) & (start < kv_len)  # (B, NT, NC)
-    whole = (start + block_n - 1 <= pos0[..., None]) & (start + block_n <= kv_len)
-    if selection.window > 0:  # the window reaches the chunk's last key from the first position
-        union = union | (start + block_n - 1 > pos0[..., None] - selection.window)[:, None]
-        common = common | (start > pos1[..., None] - selection.window)[:, None]  # whole, from every row
-    visit = union & reach[:, None]
-    clean = common & whole[:, None] & visit
-    clean_count, clean_list = index_lists(clean)
-    masked_count, masked_list = index_lists(visit & ~clean)
-    return clean_list, clean_count, masked_list, masked_count
-
-
-@dataclass(frozen=True)
-class WorkPlan:
-    """The work lists of one selection over one :class:`SeqInfo` for one tile shape (:func:`plan_work`),
-    kept by a caller that runs the same layout many times (the flex executor, for reusable layouts).
-
-    Dense form (``start is None``): :func:`work_lists`' four tensors. Compact form: ``clean`` and
-    ``masked`` are one flat int32 tensor holding, for each (sample, table head, tile) in order, its
-    clean chunks then its masked ones, from ``start`` (B, H, NT) int64
-    (:func:`~elasticfw.kernels.work_lists.compact_lists`); the counts as in the dense form."""
-
-    clean: torch.Tensor
-    clean_count: torch.Tensor
-    masked: torch.Tensor
-    masked_count: torch.Tensor
-    block_m: int
-    block_n: int
-    start: torch.Tensor | None = None
-
-
-def dense_list_bytes(selection: RowSelection, seq: SeqInfo, block_m: int, block_n: int) -> int:
-    """The bytes of :func:`work_lists`' two dense lists: ``2 * 4 * B * H * tiles * chunks``."""
-    heads = selection.selected.shape[1]
-    return 8 * seq.batch * heads * cdiv(seq.q_len, block_m) * cdiv(seq.kv_capacity, block_n)
-
-
-def plan_work(
-    selection: RowSelection, seq: SeqInfo, tiles: Tiles | None = None, *, compact: bool | None = None
-) -> WorkPlan:
-    """:func:`work_lists` for ``tiles`` (``None``: :func:`default_tiles`; raises
-    :class:`~elasticfw.errors.BackendUnavailableError` for a group size the kernel cannot chunk), in
-    the compact form when ``compact`` (``None``: when the dense lists would take more than
-    :data:`COMPACT_LISTS_ABOVE` bytes)."""
-    if tiles is None:
-        tiles = default_tiles(selection)
-    block_n = _chunk_size(selection.group_size, tiles.block_n)
-    if block_n is None:
-        raise BackendUnavailableError(
-            f"Triton block-sparse kernel: key group size {selection.group_size} is not a multiple of 16"
-        )
-    if compact is None:
-        compact = dense_list_bytes(selection, seq, tiles.block_m, block_n) > COMPACT_LISTS_ABOVE
-    if TRITON_WORK_LISTS:
-        from elasticfw.kernels.work_lists import work_lists_triton, work_lists_triton_compact
-
-        if compact:
-            flat, n_clean, n_masked, start = work_lists_triton_compact(selection, seq, tiles.block_m, block_n)
-            return WorkPlan(flat, n_clean, flat, n_masked, tiles.block_m, block_n, start)
-        lists = work_lists_triton(selection, seq, tiles.block_m, block_n)
-    else:
-        lists = work_lists(selection, seq, tiles.block_m, block_n)
-        if compact:
-            from elasticfw.kernels.work_lists import compact_lists
-
-            flat, start = compact_lists(*lists)
-            return WorkPlan(flat, lists[1], flat, lists[3], tiles.block_m, block_n, start)
-    return WorkPlan(*lists, tiles.block_m, block_n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -429,18 +311,6 @@ def _block_sparse_kernel(
     tl.store(lse_ptr + (b * tl.num_programs(1) + h).to(tl.int64) * q_len + i, lse, mask=row_ok)
 
 
-#: the work lists built by one Triton kernel (:mod:`elasticfw.kernels.work_lists`) instead of in torch
-#: (:func:`work_lists`, the definition it is tested against). On one H200 at 128K with 64-row tiles:
-#: XAttention's lists 0.99 ms against 10.0, NSA's 0.31 against 3.0 (``results/bench/issue10-s10/``)
-TRITON_WORK_LISTS = True
-#: :func:`plan_work` builds the compact form of the lists (:class:`WorkPlan`) when the dense form would
-#: take more bytes than this: 2 GiB. On an H200 at 128K (Hq 32 / Hkv 8, d 128, structured q/k) the
-#: compact form's kernel took what the dense one's did (XAttention 59.5 against 59.3 ms, NSA 38.9 /
-#: 38.9, MoBA 183.0 / 183.6, streaming 11.3 / 11.2) for 4-5% of the memory (XAttention 50 MB
-#: against 1,074), but its two-launch plan 0.3-2.5 ms more (XAttention 1.36 against 1.04, MoBA 5.37
-#: against 2.85; ``results/bench/issue10-s12/variants/kernel_timing.json``), so the dense form
-#: stays wherever its memory is affordable
-COMPACT_LISTS_ABOVE = 2 * 2**30
 #: K and V through TMA tensor descriptors where their strides allow (:func:`kv_descriptor`), on
 #: GPUs of compute capability 9 or more and under the interpreter
 USE_TMA = True
@@ -549,6 +419,8 @@ def _attend(
     if batch * hq * q_len == 0:
         return out, lse
     if plan is None:
+        from elasticfw.kernels.work_lists import plan_work
+
         plan = plan_work(selection, seq, tiles)
     elif plan.block_m != tiles.block_m or plan.clean_count.shape != (batch, sel.shape[1], cdiv(q_len, plan.block_m)):
         raise ValueError(
@@ -598,7 +470,8 @@ def row_selection_attention(
     (module docstring); ``q`` (B, Hq, Sq, D), ``k`` / ``v`` (B, Hkv, Sk, D), any strides.
     ``keep_heads`` (B or 1, Hq) bool: heads outside it compute nothing (zero output, ``-inf``
     lse), as the flex executor's ``keep_heads``. ``tiles``: the launch configuration (``None``:
-    :func:`default_tiles`). ``plan``: the work lists from :func:`plan_work` for this selection,
+    :func:`default_tiles`). ``plan``: the work lists from
+    :func:`~elasticfw.kernels.work_lists.plan_work` for this selection,
     ``seq`` and ``tiles`` (built here when ``None``). Raises
     :class:`~elasticfw.errors.BackendUnavailableError` where :func:`unsupported` gives a reason."""
     return _attend(q, k, v, selection, seq, scale, keep_heads, tiles, plan, "row_selection_attention")

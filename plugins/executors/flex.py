@@ -369,8 +369,8 @@ class FlexExecutor(Executor):
             block_layout_attention,
             default_tiles,
             layout_selection,
-            plan_work,
         )
+        from elasticfw.kernels.work_lists import plan_work
 
         cfg = self.config
         if seq.q_len == 1:  # a decode step: the decode kernel, no 128-row query tile, no work lists
