@@ -19,7 +19,11 @@ FAST = ["--cpu-warmup", "0", "--cpu-iters", "1"]
 
 def test_bench_runs_every_registered_mode_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
-    args = [*TINY, *FAST, "--seq", "128", "--check-seq", "160", "--layout-memory", "256", "--out", str(out)]
+    # streaming sparse at 128 tokens (its defaults cover every key there: a dense layout, no hybrid row)
+    sparse_stream = ["--set", "streaming.sink_tokens=16", "--set", "streaming.local_tokens=32",
+                     "--set", "streaming.block_size=16"]
+    args = [*TINY, *FAST, *sparse_stream, "--seq", "128", "--check-seq", "160", "--layout-memory", "256",
+            "--out", str(out)]
     rc = bench.main(args)
     data = json.loads(out.read_text())
     assert rc == 0, data["failures"]

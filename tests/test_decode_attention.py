@@ -67,8 +67,9 @@ def test_decode_kernel_matches_the_definition(name):
 
 
 def test_routed_decode_reads_each_heads_own_selection():
-    """Two selections (a dense causal one of 64-key blocks and a sparse one of 16-key groups with a
-    window) and per-head routing: each head must meet the definition of its own selection."""
+    """Two selections (a dense causal one of 64-key blocks shared by the samples, and a per-sample
+    sparse one of 16-key groups with a window, two flag rows of which the first is the step's) and
+    per-head routing: each head must meet the definition of its own selection."""
     from elasticfw.kernels.decode_attention import decode_attention
 
     seq = _seq([250, 120], [251, 121], 1, 251)
@@ -76,7 +77,8 @@ def test_routed_decode_reads_each_heads_own_selection():
     g = torch.Generator().manual_seed(4)
     dense = RowSelection(torch.ones(1, 1, 1, 4, dtype=torch.bool), 64, row_block=64)
     sparse_flags = torch.rand(2, 8, 1, 16, generator=g) < 0.3
-    sparse = RowSelection(sparse_flags, 16, window=32)
+    # rows after the first are not the step's (flag row 0 is): their flags, inverted, must not be read
+    sparse = RowSelection(torch.cat([sparse_flags, ~sparse_flags], 2), 16, window=32)
     second = torch.tensor([[True, True, True, True, False, False, False, False],
                            [False, True, False, True, False, True, False, True]])
     keep = torch.ones(1, 8, dtype=torch.bool)

@@ -134,3 +134,31 @@ def test_padded_batches_and_data_dependent_modes_are_not_cached(conversions):
         elastic(input_ids=ids)
     elastic.unwrap()
     assert len(conversions) == 4 + 8  # its layout follows q and k: every layer, every forward
+
+
+def test_a_mode_dense_at_the_length_is_built_once_and_runs_as_the_plain_model(monkeypatch):
+    """FA-MoBA on a prompt MoBA's top_k covers (dense_at): its layout is built once per forward, not
+    per layer, every routed layer is one dense call, and the logits are the unmodified model's.
+    Past that length (top_k below the blocks) it is built at every layer again."""
+    from elasticfw_plugins.modes.moba import MobaAttention
+
+    builds: list[int] = []
+    real = MobaAttention.build_layout
+    monkeypatch.setattr(MobaAttention, "build_layout", lambda self, *a, **kw: builds.append(1) or real(self, *a, **kw))
+    model = tiny_model("llama")
+    ids = torch.randint(3, 250, (2, 96), generator=torch.Generator().manual_seed(3))
+    moba = {"name": "moba", "moba_block_size": 32, "top_k": 3, "block_size": 16}
+    elastic = ElasticModel(model, _section({"name": "split"}, ROUTERS["mixed"], sparse=moba))
+    try:
+        with torch.no_grad():
+            got = elastic(input_ids=ids).logits
+            assert len(builds) == 1  # 4 routed layers, one layout
+            elastic(input_ids=ids[:, :97 - 32])
+            assert len(builds) == 2  # a new length: its own
+            elastic(input_ids=torch.cat([ids, ids[:, :1]], 1))  # 97 keys: 4 MoBA blocks > top_k
+            assert len(builds) == 2 + 4
+    finally:
+        elastic.unwrap()
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=2e-5, rtol=1e-4)

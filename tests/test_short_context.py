@@ -6,8 +6,12 @@ framework saves on them:
   block layouts and row selections near the dense limit, with padding, chunked prefill and decode;
 * the split executor's gathered (CPU) path runs such a layout as one dense causal SDPA call, with the
   reference executor's output, and keeps the gathered path otherwise;
-* NSA (``top_n``) and MoBA (``top_k``) at least as large as the key blocks skip their scoring, with
-  the very selection scoring would give (forced here) and the definition's: every causal block.
+* NSA (``top_n``) and MoBA (``top_k``) at least as large as the key blocks skip their scoring and
+  return the dense causal layout (``dense_at``), with the very pairs scoring would give (forced
+  here) and the definition's: every causal pair;
+* every mode's ``dense_at`` against the pair definition on both sides of its boundary, the runtime
+  building a dense-at layout once per forward, and a routed layer of two dense-at modes running as
+  one dense call.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 import elasticfw_plugins.executors.split as split_module
 from elasticfw.attention.layout import BlockLayout, RowSelection, computes_every_causal_pair, dense_mask
 from elasticfw.attention.seq import SeqInfo
+from elasticfw.errors import UnsupportedInputError
 from elasticfw.testing.modes import make_inputs, make_mode, reference_executor
 
 
@@ -120,7 +125,9 @@ def _split_calls(monkeypatch):
 ])
 def test_split_runs_every_pair_layouts_as_one_dense_call(name, overrides, monkeypatch):
     q, k, v, seq = make_inputs((2, 4, 2, 160, 160, 16))
-    layout = make_mode(name, overrides).build_layout(q, k, seq)
+    mode = make_mode(name, overrides)
+    monkeypatch.setattr(type(mode), "dense_at", lambda self, seq: False)  # the scored layout, not causal_layout
+    layout = mode.build_layout(q, k, seq)
     assert not layout.dense_causal and computes_every_causal_pair(layout, seq)
     ex, calls = _split_calls(monkeypatch)
     with torch.no_grad():
@@ -139,15 +146,23 @@ def test_split_runs_every_pair_layouts_as_one_dense_call(name, overrides, monkey
                                    rtol=2e-5, atol=2e-5)
 
 
+def _same_pairs_on_real_rows(a: BlockLayout, b: BlockLayout, seq: SeqInfo, heads: int) -> bool:
+    """The two layouts' pairs (dense_mask, token by token) agree on every real query row."""
+    real = seq.query_valid()[:, None, :, None]
+    return bool(((dense_mask(a, seq, num_heads=heads) == dense_mask(b, seq, num_heads=heads)) | ~real).all())
+
+
 @pytest.mark.parametrize("granularity", ["block", "token"])
-def test_nsa_selecting_every_block_skips_scoring(granularity, monkeypatch):
+def test_nsa_selecting_every_block_is_full_attention(granularity, monkeypatch):
+    """top_n covering every key block: the dense causal layout without scoring, the very pairs that
+    scoring (forced here) selects, and every causal pair by the definition."""
     from elasticfw_plugins.modes import nsa as nsa_module
 
     q, k, _, seq = make_inputs((2, 4, 2, 150, 150, 16), kv_lens=[150, 97])
     cfg = {"block_size": 16, "compress_kernel": 8, "compress_stride": 4, "top_n": 10, "window": 24,
            "query_granularity": granularity}
     mode = make_mode("nsa", cfg)
-    assert mode.selects_every_block(seq)  # 10 key blocks
+    assert mode.selects_every_block(seq) and mode.dense_at(seq)  # 10 key blocks
     scored = []
     for name in ("block_importance", "row_importance"):
         real = getattr(nsa_module.NSAAttention, name)
@@ -155,42 +170,40 @@ def test_nsa_selecting_every_block_skips_scoring(granularity, monkeypatch):
                             lambda self, *a, _r=real, **kw: scored.append(1) or _r(self, *a, **kw))
     with torch.no_grad():
         fast = mode.build_layout(q, k, seq)
-        assert scored == []
+        assert scored == [] and fast.dense_causal
         monkeypatch.setattr(nsa_module.NSAAttention, "selects_every_block", lambda self, seq: False)
+        assert not mode.dense_at(seq)
         slow = mode.build_layout(q, k, seq)
-        assert scored
-    assert torch.equal(fast.row_selection.selected, slow.row_selection.selected)
-    assert torch.equal(fast.blocks, slow.blocks) and torch.equal(fast.partial_blocks(), slow.partial_blocks())
+        assert scored and not slow.dense_causal
+    assert _every_pair_by_definition(slow, seq, 4) and _same_pairs_on_real_rows(fast, slow, seq, 4)
     if granularity == "block":
         every = _causal_table(seq, seq.num_query_blocks(16), 16, 10, 16)  # the definition: every causal block
-        assert torch.equal(fast.row_selection.selected, every.expand(2, 2, -1, -1))
-    assert not make_mode("nsa", {**cfg, "top_n": 9}).selects_every_block(seq)
+        assert torch.equal(slow.row_selection.selected, every.expand(2, 2, -1, -1))
+    assert not make_mode("nsa", {**cfg, "top_n": 9}).dense_at(seq)
 
 
 @pytest.mark.parametrize("granularity", ["block", "token"])
-def test_moba_selecting_every_block_skips_gating(granularity, monkeypatch):
+def test_moba_selecting_every_block_is_full_attention(granularity, monkeypatch):
     from elasticfw_plugins.modes import moba as moba_module
 
     q, k, _, seq = make_inputs((2, 4, 2, 150, 150, 16), kv_lens=[150, 97])
     mode = make_mode("moba", {"moba_block_size": 32, "top_k": 5, "block_size": 16, "query_granularity": granularity})
-    assert mode.num_blocks(seq) == 5 and mode.selects_every_block(seq)  # 150 keys in blocks of 32
-    assert not make_mode("moba", {"moba_block_size": 32, "top_k": 4, "block_size": 16}).selects_every_block(seq)
+    assert mode.num_blocks(seq) == 5 and mode.selects_every_block(seq) and mode.dense_at(seq)  # 150 keys / 32
+    assert not make_mode("moba", {"moba_block_size": 32, "top_k": 4, "block_size": 16}).dense_at(seq)
     gated = []
     real = moba_module.gate_scores
     monkeypatch.setattr(moba_module, "gate_scores", lambda *a: gated.append(1) or real(*a))
     with torch.no_grad():
         fast = mode.build_layout(q, k, seq)
-        assert gated == []
+        assert gated == [] and fast.dense_causal
         monkeypatch.setattr(moba_module.MobaAttention, "selects_every_block", lambda self, seq: False)
         slow = mode.build_layout(q, k, seq)
-        assert gated
-    assert torch.equal(fast.blocks, slow.blocks) and torch.equal(fast.partial_blocks(), slow.partial_blocks())
+        assert gated and not slow.dense_causal
+    assert _every_pair_by_definition(slow, seq, 4) and _same_pairs_on_real_rows(fast, slow, seq, 4)
     if granularity == "token":
-        assert torch.equal(fast.row_selection.selected, slow.row_selection.selected)
         current = torch.div(seq.query_positions(), 32, rounding_mode="floor")  # every block up to the row's own
         want = (torch.arange(5)[None, None, :] <= current[:, :, None]) & seq.query_valid()[:, :, None]
-        assert torch.equal(fast.row_selection.selected, want[:, None].expand(2, 4, -1, -1))
-    assert computes_every_causal_pair(fast, seq)
+        assert torch.equal(slow.row_selection.selected, want[:, None].expand(2, 4, -1, -1))
 
 
 def test_split_decides_every_pair_once_per_reusable_layout(monkeypatch):
@@ -212,7 +225,82 @@ def test_split_decides_every_pair_once_per_reusable_layout(monkeypatch):
             torch.testing.assert_close(ex.attend(q, k, v, layout, seq, scale=0.25, need_lse=False).out, want,
                                        rtol=2e-5, atol=2e-5)
         assert len(calls) == 1
-        every = make_mode("moba", {"moba_block_size": 32, "top_k": 8, "block_size": 16}).build_layout(q, k, seq)
+        moba = make_mode("moba", {"moba_block_size": 32, "top_k": 8, "block_size": 16})
+        monkeypatch.setattr(type(moba), "dense_at", lambda self, seq: False)  # the gated layout, built per call
+        every = moba.build_layout(q, k, seq)
         for _ in range(2):
             ex.attend(q, k, v, every, seq, scale=0.25, need_lse=False)
         assert len(calls) == 3
+
+
+# -- dense_at: every mode against the pair definition, the runtime and routed layers --------------
+
+#: (mode, config, the plugin class attribute that switches its dense shortcut off, key lengths
+#: straddling its boundary)
+DENSE_AT = [
+    ("streaming", {"block_size": 16, "sink_tokens": 16, "local_tokens": 32}, "dense_at", [32, 48, 49, 64, 65]),
+    ("streaming", {"block_size": 16, "sink_tokens": 10, "local_tokens": 30, "granularity": "token"}, "dense_at",
+     [39, 40, 41, 64]),
+    ("streaming", {"block_size": 16, "sink_tokens": 0, "local_tokens": 24, "granularity": "token"}, "dense_at",
+     [24, 25]),
+    ("moba", {"moba_block_size": 32, "top_k": 3, "block_size": 16}, "selects_every_block", [64, 96, 97, 128]),
+    ("moba", {"moba_block_size": 32, "top_k": 3, "block_size": 16, "query_granularity": "block"},
+     "selects_every_block", [96, 97]),
+    ("nsa", {"block_size": 16, "compress_kernel": 8, "compress_stride": 4, "top_n": 4, "window": 0},
+     "selects_every_block", [48, 64, 65, 80]),
+    ("nsa", {"block_size": 16, "compress_kernel": 8, "compress_stride": 4, "top_n": 4, "window": 16,
+             "query_granularity": "token"}, "selects_every_block", [64, 65]),
+    ("xattention", {"block_size": 16, "stride": 4, "threshold": 0.5, "chunk_size": 64}, "dense_at", [32, 33]),
+]
+
+
+@pytest.mark.parametrize("name, config, switch, lengths", DENSE_AT)
+def test_dense_at_is_the_pair_definition(name, config, switch, lengths, monkeypatch):
+    """``dense_at(seq)`` is True exactly where the mode's general layout (its shortcut switched off)
+    holds every causal pair by the token-level definition (XAttention: only True there, its answer
+    past two key blocks depends on the data), and then ``build_layout`` is the dense causal layout."""
+    mode = make_mode(name, config)
+    answers = set()
+    for n in lengths:
+        q, k, _, seq = make_inputs((2, 4, 2, n, n, 16), kv_lens=[n, n - 5], seed=n)
+        dense = mode.dense_at(seq)
+        answers.add(dense)
+        with torch.no_grad():
+            layout = mode.build_layout(q, k, seq)
+            assert layout.dense_causal == dense, n
+            with monkeypatch.context() as m:
+                m.setattr(type(mode), switch, lambda self, seq: False)
+                general = mode.build_layout(q, k, seq)
+        every = _every_pair_by_definition(general, seq, 4)
+        if name == "xattention":
+            assert every or not dense, n
+        else:
+            assert every == dense, n
+    assert answers == {True, False}
+
+
+def test_full_is_dense_everywhere():
+    assert make_mode("full", {"block_size": 16}).dense_at(SeqInfo.dense(1, 1, 10**6))
+
+
+def test_routed_layer_of_two_dense_modes_is_one_dense_call(monkeypatch):
+    """Full + MoBA at a length where MoBA selects every block: one ``attend`` over a dense layout,
+    no routed launch, and dense causal attention's output (SDPA, built independently)."""
+    from elasticfw.attention.mode import attend_routed
+
+    q, k, v, seq = make_inputs((2, 4, 2, 96, 96, 16))
+    full = make_mode("full", {"block_size": 16})
+    moba = make_mode("moba", {"moba_block_size": 32, "top_k": 3, "block_size": 16})
+    layouts = (full.build_layout(q, k, seq), moba.build_layout(q, k, seq))
+    ex, calls = _split_calls(monkeypatch)
+    monkeypatch.setattr(ex, "attend_routed", lambda *a, **kw: pytest.fail("routed launch for two dense layouts"))
+    hard = torch.tensor([[False, False, True, True], [True, True, False, False]])
+    with torch.no_grad():
+        got = attend_routed(q, k, v, seq, ex, retrieval=full, sparse=moba, hard=hard, layouts=layouts, scale=0.25).out
+        with pytest.raises(UnsupportedInputError, match="hard must be"):
+            attend_routed(q, k, v, seq, ex, retrieval=full, sparse=moba, hard=hard[:, :2], layouts=layouts, scale=0.25)
+    assert calls == ["dense"]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True, scale=0.25
+    )
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)

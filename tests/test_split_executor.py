@@ -233,10 +233,12 @@ def test_a_decode_step_splits_reads_only_the_window_and_stays_exact(routing, gra
     ex = SplitExecutor(SplitConfig(sparse="flex"))  # decode_sparse (auto: gathered on a CPU) wins over `sparse`
     assert ex.sparse_path(q.device, seq) == "gathered"
     widths: list[int] = []
+    unmasked: list[bool] = []
     real = F.scaled_dot_product_attention
 
     def counting(qq, kk, vv, **kw):
         widths.append(kk.shape[2])
+        unmasked.append(kw.get("attn_mask") is None)
         return real(qq, kk, vv, **kw)
 
     spy = _Spy(ex, monkeypatch)
@@ -249,6 +251,9 @@ def test_a_decode_step_splits_reads_only_the_window_and_stays_exact(routing, gra
     if n_dense < 4:
         # sink block + the local window's blocks (16 + 32 tokens, blocks of 16, the query's block partial)
         assert sparse_calls and max(sparse_calls) <= 16 + 32 + 16
+        # block granularity: one pattern for every head at a host-dense step, the blocks' keys
+        # without a mask; token granularity keeps its token mask
+        assert all(u for u, w in zip(unmasked, widths) if w < 200) == (granularity == "block")
     want = _masked(q, k, v, seq, hard, granularity, 0.3)
     assert rel_rms(got, want) < TOLERANCE[torch.float32]
     ref = get_registry().get("executor", "reference")()
@@ -501,3 +506,24 @@ def test_attention_bench_times_and_checks_split(tmp_path):
         assert rows[name]["ms"] > 0 and rows[name]["ratio_vs_sdpa_math"] > 0
     for label in ("alone", "routed_first_full", "routed_scattered"):
         assert rows[f"check:split:streaming:{label}"]["out_rel_rms"] < 2e-5
+
+
+def test_a_decode_step_over_per_sample_blocks_is_not_shared():
+    """The shared decode form (one unmasked SDPA over the step's blocks) needs one pattern for every
+    sample: a 1-head layout whose samples read different blocks at a host-dense step must keep each
+    sample's own blocks (against the reference executor and a hand-sliced SDPA per sample)."""
+    from elasticfw.attention.layout import BlockLayout
+
+    q, k, v, _ = make_inputs((2, 4, 2, 1, 160, 16))
+    seq = SeqInfo.dense(2, 1, 160)
+    blocks = torch.zeros(2, 1, 1, 10, dtype=torch.bool)  # 3 of 10 blocks read: not the one-row form
+    blocks[0, 0, 0, [0, 9]] = True  # sample 0: keys 0-15 and 144-159
+    blocks[1, 0, 0, [2, 9]] = True  # sample 1: keys 32-47 and 144-159
+    layout = BlockLayout(blocks, 16)
+    got = SplitExecutor().attend(q, k, v, layout, seq, scale=0.3, need_lse=False).out
+    ref = get_registry().get("executor", "reference")().attend(q, k, v, layout, seq, scale=0.3).out
+    assert rel_rms(got, ref) < 1e-5
+    for b, keys in ((0, [*range(16), *range(144, 160)]), (1, [*range(32, 48), *range(144, 160)])):
+        kk, vv = (t[b : b + 1, :, keys].repeat_interleave(2, 1) for t in (k, v))
+        want = F.scaled_dot_product_attention(q[b : b + 1], kk, vv, scale=0.3)
+        assert rel_rms(got[b : b + 1], want) < TOLERANCE[torch.float32]

@@ -13,6 +13,7 @@ import torch
 from elasticfw.attention.inputs import check_attention_inputs
 from elasticfw.attention.layout import BlockLayout, rescale, select_heads
 from elasticfw.attention.seq import SeqInfo
+from elasticfw.errors import UnsupportedInputError
 from elasticfw.registry import PluginConfig
 
 if TYPE_CHECKING:
@@ -175,6 +176,17 @@ class AttentionMode(ABC):
         whose ``build_layout`` takes no ``scale`` keeps working: it is called without it.
         """
 
+    def dense_at(self, seq: SeqInfo) -> bool:
+        """Whether this mode computes every causal pair of ``seq`` whatever q and k: full attention at
+        these lengths (default ``False``). A mode answering ``True`` promises that
+        :meth:`build_layout` then returns a ``dense_causal`` layout
+        (:func:`~elasticfw.attention.layout.causal_layout`); the runtime builds that layout once per
+        :meth:`SeqInfo.host_signature` for every layer of a forward, and a routed layer whose two
+        modes are both dense runs as one dense call. Examples: MoBA when ``top_k`` covers every key
+        block, streaming when sink and window cover every key. A side branch is not part of the
+        layout: it is still merged where the mode has one."""
+        return False
+
     def side_branch(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SeqInfo, *, scale: float
     ) -> AttentionOutput | None:
@@ -252,9 +264,17 @@ def attend_routed(
     (:attr:`~elasticfw.attention.executor.Executor.takes_host_routing`)."""
     extras = [(mode.side_branch(q, k, v, seq, scale=scale), heads) for mode, heads in ((sparse, hard), (retrieval, ~hard))]
     need_lse = need_lse or any(extra is not None for extra, _ in extras)
-    # the executor decides how to launch the two head groups (default: one launch over routed_layout)
-    host = {"hard_host": hard_host} if hard_host is not None and executor.takes_host_routing else {}
-    result = executor.attend_routed(q, k, v, seq, hard=hard, layouts=layouts, scale=scale, need_lse=need_lse, **host)
+    lay_r, lay_s = layouts
+    if hard.shape != q.shape[:2]:
+        raise UnsupportedInputError(
+            f"attend_routed: hard must be (batch, query heads) = {tuple(q.shape[:2])}, got {tuple(hard.shape)}"
+        )
+    if lay_r.dense_causal and lay_s.dense_causal:  # both modes full at these lengths: the same pairs
+        result = executor.attend(q, k, v, lay_r, seq, scale=scale, need_lse=need_lse)
+    else:  # the executor decides how to launch the two head groups (default: one launch over routed_layout)
+        host = {"hard_host": hard_host} if hard_host is not None and executor.takes_host_routing else {}
+        result = executor.attend_routed(q, k, v, seq, hard=hard, layouts=layouts, scale=scale, need_lse=need_lse,
+                                        **host)
     for extra, heads in extras:
         if extra is not None:
             merged = merge_lse(result, extra)

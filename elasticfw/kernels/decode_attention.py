@@ -41,7 +41,7 @@ from elasticfw.attention.layout import RowSelection
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
 from elasticfw.kernels import cdiv, interpreting, next_pow2, unsupported_tensor
-from elasticfw.kernels.block_sparse_attention import MAX_HEAD_DIM, attend_chunk, flag_table, load_rows
+from elasticfw.kernels.block_sparse_attention import MAX_HEAD_DIM, attend_chunk, load_rows
 
 __all__ = ["decode_attention", "num_splits", "unsupported"]
 
@@ -103,8 +103,7 @@ def _row_flags(sel_ptr, b, h, stride_b, stride_h, stride_g, sel_group, group_siz
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, sel_a, sel_b, second_ptr, keep_ptr, q_start_ptr, kv_len_ptr,
-    acc_ptr, m_ptr, l_ptr,
+    q_ptr, k_ptr, v_ptr, sel_a, sel_b, second_ptr, keep_ptr, q_start_ptr, kv_len_ptr, work_ptr, m_off, l_off,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -167,15 +166,19 @@ def _decode_split_kernel(
         vt = load_rows(vb, tl.minimum(kpos, kv_len - 1), stride_vs, stride_vd, d, d_ok, EVEN_D)
         acc, m_i, l_i = attend_chunk(acc, m_i, l_i, qv, kt, vt, ok, qk_scale, MASKED=True, IEEE=IEEE, UPCAST=UPCAST)
     part = (b * hq + h).to(tl.int64) * splits + split  # (rows,) partial slots
-    tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(m_ptr + part, m_i, mask=row_ok)
-    tl.store(l_ptr + part, l_i, mask=row_ok)
+    # work: the accumulators (partials x HEAD_DIM), the running maxima from m_off, the sums from l_off
+    tl.store(work_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(work_ptr + m_off + part, m_i, mask=row_ok)
+    tl.store(work_ptr + l_off + part, l_i, mask=row_ok)
 
 
 @triton.jit
-def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, stride_ob, stride_oh, stride_od, hq, splits,
+def _merge_kernel(work_ptr, m_off, l_off, out_ptr, lse_ptr, stride_ob, stride_oh, stride_od, hq, splits,
                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr):
     row = tl.program_id(0)  # b * hq + h
+    acc_ptr = work_ptr  # the split kernel's layout of the partials
+    m_ptr = work_ptr + m_off
+    l_ptr = work_ptr + l_off
     s = tl.arange(0, SPLITS)
     s_ok = s < splits
     d = tl.arange(0, D_PAD)
@@ -198,13 +201,19 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, stride_ob, stride_oh,
     tl.store(lse_ptr + row, lse)
 
 
-def _table(selection: RowSelection, batch: int, hq: int, caller: str) -> torch.Tensor:
+def _table(selection: RowSelection, batch: int, hq: int, caller: str) -> tuple[torch.Tensor, int, int, int, int]:
+    """``(flags, stride over samples, over heads, over groups, groups)`` of the selection's flag row 0
+    (the row of each sample's one query) as the kernel reads it: the table itself (a bool table
+    viewed as bytes in place; row 0 starts where the table does) and a sample stride of 0 for a
+    table shared by every sample: no slice, no expand (each costs host time)."""
     sel = selection.selected
     if sel.shape[0] not in (1, batch) or hq % sel.shape[1] or sel.shape[2] < 1:
         raise ValueError(
             f"{caller}: a selection table must be (1 or B={batch}, H dividing {hq}, rows >= 1, G), got {tuple(sel.shape)}"
         )
-    return flag_table(sel[:, :, 0], batch)  # flag row 0: the row of the one query of each sample
+    flags = sel.view(torch.uint8) if sel.dtype == torch.bool else sel
+    stride = flags.stride()
+    return flags, (stride[0] if flags.shape[0] == batch else 0), stride[1], stride[3], flags.shape[3]
 
 
 @functools.lru_cache(maxsize=64)
@@ -213,14 +222,18 @@ def _constant_heads(value: int, hq: int, device: torch.device) -> torch.Tensor:
     return torch.full((1, hq), value, dtype=torch.uint8, device=device)
 
 
-def _heads(mask: torch.Tensor | None, batch: int, hq: int, name: str, device: torch.device, default: bool) -> torch.Tensor:
+def _heads(
+    mask: torch.Tensor | None, batch: int, hq: int, name: str, device: torch.device, default: bool
+) -> tuple[torch.Tensor, int, int]:
+    """``(flags, stride over samples, stride over heads)`` of a (B or 1, Hq) head mask as bytes (a bool
+    mask viewed in place; a sample stride of 0 for one row shared by every sample)."""
     if mask is None:
-        return _constant_heads(int(default), hq, device).expand(batch, hq)
+        return _constant_heads(int(default), hq, device), 0, 1
     if mask.dim() != 2 or mask.shape[0] not in (1, batch) or mask.shape[1] != hq:
         raise ValueError(f"decode_attention: {name} must be (1 or {batch}, {hq}), got {tuple(mask.shape)}")
     # a bool mask is read as bytes in place (no conversion kernel per call)
     flags = mask.view(torch.uint8) if mask.dtype == torch.bool else mask.to(torch.uint8)
-    return flags.expand(batch, hq)
+    return flags, (flags.stride(0) if mask.shape[0] == batch else 0), flags.stride(1)
 
 
 def decode_attention(
@@ -235,6 +248,7 @@ def decode_attention(
     second_heads: torch.Tensor | None = None,
     keep_heads: torch.Tensor | None = None,
     splits: int | None = None,
+    checked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, Hq, 1, D) in q's dtype, lse (B, Hq, 1) float32) of a decode step (module
     docstring): ``q`` (B, Hq, 1, D), ``k`` / ``v`` (B, Hkv, S, D), any strides. Query head ``h`` of
@@ -242,18 +256,21 @@ def decode_attention(
     ``selection``; ``keep_heads`` (B or 1, Hq) bool: heads outside it compute nothing (zero
     output, ``-inf`` lse). ``splits``: key ranges per (sample, KV head) (default
     :func:`num_splits`). Raises :class:`~elasticfw.errors.BackendUnavailableError` where
-    :func:`unsupported` gives a reason, ``ValueError`` for shapes that do not fit."""
+    :func:`unsupported` gives a reason, ``ValueError`` for shapes that do not fit. ``checked``: the
+    caller has run :func:`unsupported` on these selections and checked q, k, v against ``seq``
+    (an executor's input checks), so neither runs again (a decode step's host time is its cost)."""
     selections = (selection,) if second is None else (selection, second)
-    reason = unsupported(q, *selections)
-    if reason is not None:
-        raise BackendUnavailableError(f"Triton decode_attention: {reason}")
     if (second is None) != (second_heads is None):
         raise ValueError("decode_attention: give second and second_heads together")
     batch, hq, q_len, dim = q.shape
     hkv = k.shape[1]
     if q_len != 1 or seq.q_len != 1:
         raise ValueError(f"decode_attention: one query row per sample, got q of {q_len} rows (seq.q_len {seq.q_len})")
-    seq.check(q, k)
+    if not checked:
+        reason = unsupported(q, *selections)
+        if reason is not None:
+            raise BackendUnavailableError(f"Triton decode_attention: {reason}")
+        seq.check(q, k)
     if k.dtype != q.dtype or v.dtype != q.dtype or v.shape[-1] != dim or hq % hkv:
         raise ValueError(
             f"decode_attention: q, k, v must share dtype and head dim, and KV heads divide {hq}; got "
@@ -263,10 +280,12 @@ def decode_attention(
     lse = torch.empty(batch, hq, 1, dtype=torch.float32, device=q.device)
     if batch * hq == 0:
         return out, lse
-    sel_a = _table(selection, batch, hq, "decode_attention")
-    sel_b = _table(second, batch, hq, "decode_attention") if second is not None else sel_a
-    use_b = _heads(second_heads, batch, hq, "second_heads", q.device, False)
-    keep = _heads(keep_heads, batch, hq, "keep_heads", q.device, True)
+    sel_a, sa_b, sa_h, sa_g, groups_a = _table(selection, batch, hq, "decode_attention")
+    b_sel = second if second is not None else selection
+    sel_b, sb_b, sb_h, sb_g, groups_b = (_table(second, batch, hq, "decode_attention") if second is not None
+                                         else (sel_a, sa_b, sa_h, sa_g, groups_a))
+    use_b, u_b, u_h = _heads(second_heads, batch, hq, "second_heads", q.device, False)
+    keep, e_b, e_h = _heads(keep_heads, batch, hq, "keep_heads", q.device, True)
     block_n = _chunk(selections)
     chunks = cdiv(seq.kv_capacity, block_n)
     if splits is None:
@@ -279,26 +298,25 @@ def decode_attention(
                          f"{MAX_CHUNKS_PER_SPLIT}")
     splits = cdiv(chunks, per_split)
     group = hq // hkv
-    rows = batch * hq * splits  # the partial results, in one allocation (each costs host time)
-    work = torch.empty(rows * (dim + 2), dtype=torch.float32, device=q.device)
-    acc, m, lsum = work[: rows * dim].view(rows, dim), work[rows * dim : rows * (dim + 1)], work[rows * (dim + 1) :]
-    b_sel = second if second is not None else selection
-    q_start, kv_len = seq.q_start.contiguous(), seq.kv_len.contiguous()
+    partials = batch * hq * splits  # the partial results, in one allocation (each costs host time)
+    work = torch.empty(partials * (dim + 2), dtype=torch.float32, device=q.device)
+    q_start, kv_len = seq.q_start, seq.kv_len
+    if not (q_start.is_contiguous() and kv_len.is_contiguous()):
+        q_start, kv_len = q_start.contiguous(), kv_len.contiguous()
     d_pad = max(16, next_pow2(dim))
     _decode_split_kernel[(splits, hkv, batch)](
-        q, k, v, sel_a, sel_b, use_b, keep, q_start, kv_len, acc, m, lsum,
+        q, k, v, sel_a, sel_b, use_b, keep, q_start, kv_len, work, partials * dim, partials * (dim + 1),
         q.stride(0), q.stride(1), q.stride(3), *k.stride(), *v.stride(),
-        sel_a.stride(0), sel_a.stride(1), sel_a.stride(2), sel_b.stride(0), sel_b.stride(1), sel_b.stride(2),
-        *use_b.stride(), *keep.stride(),
-        selection.group_size, selection.window, hq // selection.selected.shape[1], sel_a.shape[2],
-        b_sel.group_size, b_sel.window, hq // b_sel.selected.shape[1], sel_b.shape[2],
+        sa_b, sa_h, sa_g, sb_b, sb_h, sb_g, u_b, u_h, e_b, e_h,
+        selection.group_size, selection.window, hq // selection.selected.shape[1], groups_a,
+        b_sel.group_size, b_sel.window, hq // b_sel.selected.shape[1], groups_b,
         hq, group, per_split, splits, scale * _LOG2E,
         HEAD_DIM=dim, D_PAD=d_pad, BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n,
         CHUNKS=max(16, next_pow2(per_split)), TWO=second is not None, IEEE=q.dtype == torch.float32,
         UPCAST=interpreting() and q.dtype != torch.float32, num_warps=4, num_stages=2,
     )
     _merge_kernel[(batch * hq,)](
-        acc, m, lsum, out, lse, out.stride(0), out.stride(1), out.stride(3), hq, splits,
+        work, partials * dim, partials * (dim + 1), out, lse, out.stride(0), out.stride(1), out.stride(3), hq, splits,
         HEAD_DIM=dim, D_PAD=d_pad, SPLITS=max(2, next_pow2(splits)), num_warps=4,
     )
     return out, lse

@@ -189,12 +189,14 @@ class ElasticRuntime:
         window: int | None = None,
     ) -> BlockLayout:
         """``mode``'s layout for q and the keys k over ``seq`` (with the backbone's sliding
-        ``window``, if any). A mode whose layout depends only on ``seq`` builds it once per
-        :meth:`SeqInfo.host_signature` and window: the layers of a forward (and a compact KV cache's
-        full stores) share one object, marked ``reusable``, in :attr:`layout_cache`."""
+        ``window``, if any). A mode whose layout depends only on ``seq`` (and a mode that is full
+        attention at these lengths, :meth:`~elasticfw.attention.mode.AttentionMode.dense_at`) builds
+        it once per :meth:`SeqInfo.host_signature` and window: the layers of a forward (and a
+        compact KV cache's full stores) share one object, marked ``reusable``, in
+        :attr:`layout_cache`."""
         key = None
         signature = seq.host_signature()
-        if signature is not None and not mode.layout_depends_on_inputs:
+        if signature is not None and (not mode.layout_depends_on_inputs or mode.dense_at(seq)):
             key = (id(mode), signature, window)
             hit = self.layout_cache.get(key)
             if hit is not None and hit[0] is mode and hit[1] is mode.config:

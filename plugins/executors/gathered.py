@@ -18,8 +18,11 @@ key blocks the queries use (the CPU's sparse path). Three forms, each where it c
 * **one row** (:func:`one_row_attention`), for a decode step without token mask at inference
   whose rows read at least half the key blocks: two matmuls over every key (each KV head's query
   heads at once, no copy), the blocks not computed masked in the scores. An XAttention decode
-  step there: 0.73 ms against 1.06 in chunks (dense SDPA: 0.46); a streaming step reads a few
-  blocks and stays in chunks (0.60).
+  step there: 0.73 ms against 1.06 in chunks (dense SDPA: 0.46).
+* **shared decode**: a decode step of a host-dense batch (its query is the last key, so every key
+  is causal) whose blocks are one pattern for every head and sample, without token mask (a
+  streaming layout at block granularity): the selected blocks' keys (:func:`gather_keys`: views
+  for one run, else one copy) and one unmasked SDPA call, no mask tensor.
 
 Per chunk of ``query_chunk`` rows: the key blocks any row of the chunk computes (for any head and
 sample) are gathered (:func:`gather_keys`: views for one run of blocks, else one slice per run), and
@@ -236,6 +239,28 @@ def one_row_attention(
     return AttentionOutput(out, lse.view(batch, hq, 1) if lse is not None else None)
 
 
+def _decode_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: BlockLayout, seq: SeqInfo, *, scale: float,
+    need_lse: bool,
+) -> AttentionOutput | None:
+    """A decode step's forms without a mask tensor (module docstring), or ``None`` for the chunks:
+    *one row* when the step reads at least half the key blocks (over every head and sample, as the
+    chunks would gather them); *shared decode* when a host-dense step's blocks are one pattern for
+    every head and sample."""
+    row = lay.blocks[:, :, 0]  # (B or 1, 1 or H, NKB): the step's flags
+    used = row.any(1).any(0)  # (NKB,)
+    if 2 * int(used.sum()) >= row.shape[-1]:
+        return one_row_attention(q, k, v, lay, seq, scale=scale, need_lse=need_lse)
+    if lay.num_heads == 1 and not need_lse and seq.host_signature() is not None and bool((row == row[:1]).all()):
+        # its query is the last key (every key causal): the blocks' keys, one unmasked SDPA call
+        ids = used.nonzero().flatten()
+        if ids.numel() == 0:
+            return AttentionOutput(torch.zeros_like(q), None)
+        kc, vc = gather_keys(k, v, ids, lay.block_size, seq.kv_capacity)
+        return AttentionOutput(F.scaled_dot_product_attention(q, kc, vc, scale=scale, enable_gqa=True), None)
+    return None
+
+
 def gathered_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -256,6 +281,12 @@ def gathered_attention(
     bs = layout.block_size
     dev = q.device
     lay = expand_heads(layout, hq)  # 1 or Hq heads; a per-KV-head token mask sees query heads // group
+    # inference: one float mask buffer for every chunk (nothing keeps a chunk's mask after its call)
+    reuse = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
+    if sq == 1 and lay.token_mask is None and reuse:
+        step = _decode_step(q, k, v, lay, seq, scale=scale, need_lse=need_lse)
+        if step is not None:
+            return step
     heads = lay.num_heads
     nqb, nkb = lay.blocks.shape[2], lay.blocks.shape[3]
     # one mask for the whole batch when it cannot differ between samples (a 1-sample layout
@@ -268,14 +299,6 @@ def gathered_attention(
     b_idx = torch.arange(batch, device=dev)[:, None, None, None]
     h_idx = torch.arange(heads, device=dev)[None, :, None, None]
     offsets = torch.arange(bs, device=dev)
-    # inference: one float mask buffer for every chunk (nothing keeps a chunk's mask after its call)
-    reuse = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
-    if sq == 1 and lay.token_mask is None and reuse:
-        # a decode step whose rows read at least half the key blocks (over every head and sample, as
-        # the chunked path gathers them): every key, without mask tensor or gather
-        used = int(lay.blocks[:, :, 0].any(1).any(0).sum())
-        if 2 * used >= nkb:
-            return one_row_attention(q, k, v, lay, seq, scale=scale, need_lse=need_lse)
     if lay.token_mask is None and not need_lse and reuse and sq > 1 and bool((seq.q_start % bs == 0).all()):
         flags = causal_block_flags(lay, seq)
         chunked, exact = chunked_and_exact_tiles(flags, -(-query_chunk // bs), batch, hq)

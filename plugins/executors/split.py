@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import inspect
 from collections import OrderedDict
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -69,7 +69,7 @@ from pydantic import Field
 
 from elasticfw.attention.executor import Executor, ExecutorConfig
 from elasticfw.attention.inputs import check_layout
-from elasticfw.attention.layout import BlockLayout, computes_every_causal_pair, select_heads
+from elasticfw.attention.layout import BlockLayout, RowSelection, computes_every_causal_pair, select_heads
 from elasticfw.attention.mode import AttentionOutput, routed_layout
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError, UnsupportedInputError
@@ -160,22 +160,25 @@ def _dense_shape(seq: SeqInfo) -> bool:
 
 def _decode_kernel_reason(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layouts: tuple[BlockLayout, ...]
-) -> str | None:
-    """``None`` when the Triton decode kernel computes these layouts for ``q``, else why not."""
+) -> tuple[str | None, list[RowSelection]]:
+    """``(None, the layouts' row selections)`` when the Triton decode kernel computes these layouts
+    for ``q``, else ``(why not, [])``."""
     reason = triton_unavailable(q.device)
     if reason is not None:
-        return reason
+        return reason, []
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return "it has no backward (autograd is recording)"
+        return "it has no backward (autograd is recording)", []
     try:
         from elasticfw.kernels.block_sparse_attention import layout_selection
         from elasticfw.kernels.decode_attention import unsupported
     except ImportError as exc:  # triton installed but broken
-        return f"the Triton kernel failed to import ({exc})"
+        return f"the Triton kernel failed to import ({exc})", []
     selections = [layout_selection(layout) for layout in layouts]
     if any(s is None for s in selections):
-        return "a layout has a token mask (pairs inside blocks) that is not a row selection"
-    return unsupported(q, *selections)  # type: ignore[arg-type]
+        return "a layout has a token mask (pairs inside blocks) that is not a row selection", []
+    chosen = cast("list[RowSelection]", selections)
+    reason = unsupported(q, *chosen)
+    return reason, (chosen if reason is None else [])
 
 
 #: head-index tensors a split executor keeps (one per routing pattern of its layers' dense heads)
@@ -296,7 +299,7 @@ class SplitExecutor(Executor):
     ) -> AttentionOutput:
         lay_r, lay_s = layouts
         if self.sparse_path(q.device, seq) == "kernel":
-            reason = _decode_kernel_reason(q, k, v, layouts)
+            reason, selections = _decode_kernel_reason(q, k, v, layouts)
             if reason is None or self.config.decode_sparse == "kernel":  # both layouts' heads in one launch
                 self.check_inputs(q, k, v, seq, lay_r, scale=scale)
                 check_layout(lay_s, q, k, seq, context=f"executor {self.name!r}")
@@ -306,7 +309,7 @@ class SplitExecutor(Executor):
                         f"{tuple(hard.shape)}"
                     )
                 return self.decode_kernel(q, k, v, seq, layouts, scale=scale, need_lse=need_lse, reason=reason,
-                                          second_heads=hard)
+                                          second_heads=hard, selections=selections)
         dense_heads = self.split_heads(q, k, seq, hard, layouts, need_lse, hard_host=hard_host)
         if dense_heads is None:
             return super().attend_routed(q, k, v, seq, hard=hard, layouts=layouts, scale=scale, need_lse=need_lse)
@@ -330,6 +333,10 @@ class SplitExecutor(Executor):
                 q, k, v, sparse_layout, seq, scale=scale, need_lse=False, keep_heads=sparse_heads[:1],
                 keep_key=("dense_q", *dense_q),
             ).out
+        elif not causal and sparse_layout.num_heads == 1 and sparse_layout.token_mask is None:
+            # a decode step over one pattern for every head (streaming): every head through it, no
+            # per-head mask (a few blocks per head); the dense heads' rows are overwritten below
+            out_s = self.gathered(q, k, v, sparse_layout, seq, scale=scale, need_lse=False).out
         else:
             rest = select_heads(sparse_heads, sparse_layout, _empty_like_layout(sparse_layout))
             out_s = self.gathered(q, k, v, rest, seq, scale=scale, need_lse=False).out
@@ -353,13 +360,13 @@ class SplitExecutor(Executor):
         """(dense query heads, their KV heads) when a routed call splits, else ``None`` (one launch).
         ``hard_host``: ``hard`` on the CPU when the caller has it (no device read here)."""
         lay_r, lay_s = layouts
-        if need_lse or lay_r.dense_causal == lay_s.dense_causal or not _dense_shape(seq):
-            return None
         hq, hkv = q.shape[1], k.shape[1]
         if hard.shape != (q.shape[0], hq):
             raise UnsupportedInputError(
                 f"executor 'split': hard must be (batch, query heads) = {(q.shape[0], hq)}, got {tuple(hard.shape)}"
             )
+        if need_lse or lay_r.dense_causal == lay_s.dense_causal or not _dense_shape(seq):
+            return None
         if hard_host is not None and hard_host.shape != hard.shape:
             raise UnsupportedInputError(
                 f"executor 'split': hard_host must have hard's shape {tuple(hard.shape)}, got {tuple(hard_host.shape)}"
@@ -435,8 +442,9 @@ class SplitExecutor(Executor):
             # every causal pair (a data-dependent mode at a short context): the dense kernel's exact work
             return AttentionOutput(self.dense(q, k, v, scale=scale, causal=seq.q_len > 1), None)
         if path == "kernel":
-            reason = _decode_kernel_reason(q, k, v, (layout,))
-            return self.decode_kernel(q, k, v, seq, (layout,), scale=scale, need_lse=need_lse, reason=reason)
+            reason, selections = _decode_kernel_reason(q, k, v, (layout,))
+            return self.decode_kernel(q, k, v, seq, (layout,), scale=scale, need_lse=need_lse, reason=reason,
+                                      selections=selections)
         return self.gathered(q, k, v, layout, seq, scale=scale, need_lse=need_lse)
 
     def decode_kernel(
@@ -451,21 +459,23 @@ class SplitExecutor(Executor):
         need_lse: bool,
         reason: str | None,
         second_heads: torch.Tensor | None = None,
+        selections: list[RowSelection] | None = None,
     ) -> AttentionOutput:
         """A decode step through the Triton decode kernel (:mod:`elasticfw.kernels.decode_attention`):
-        one layout, or two with ``second_heads`` (B, Hq) the heads reading the second. ``reason``:
-        :func:`_decode_kernel_reason` of these inputs (``None``: the kernel takes them), computed by
-        the caller, which decided on it. An input the kernel cannot take raises (``decode_sparse:
-        kernel`` named) under a pinned ``kernel``, and takes the gathered path under ``auto``."""
+        one layout, or two with ``second_heads`` (B, Hq) the heads reading the second. ``reason`` and
+        ``selections``: :func:`_decode_kernel_reason` of these inputs (``None`` and the layouts' row
+        selections: the kernel takes them), computed by the caller, which decided on it and has
+        checked the inputs (the kernel does not check them again). An input the kernel cannot take
+        raises (``decode_sparse: kernel`` named) under a pinned ``kernel``, and takes the gathered
+        path under ``auto``."""
         if reason is None:
-            from elasticfw.kernels.block_sparse_attention import layout_selection
             from elasticfw.kernels.decode_attention import decode_attention
 
-            sels = [layout_selection(layout) for layout in layouts]
-            assert all(s is not None for s in sels)  # _decode_kernel_reason said so
+            if not selections or len(selections) != len(layouts):
+                raise ValueError("executor 'split': decode_kernel needs the layouts' row selections with reason None")
             out, lse = decode_attention(
-                q, k, v, sels[0], seq, scale=scale,  # type: ignore[arg-type]
-                second=sels[1] if len(sels) > 1 else None, second_heads=second_heads,
+                q, k, v, selections[0], seq, scale=scale,
+                second=selections[1] if len(selections) > 1 else None, second_heads=second_heads, checked=True,
             )
             return AttentionOutput(out, lse if need_lse else None)
         if self.config.decode_sparse == "kernel":

@@ -24,5 +24,8 @@ class FullAttention(AttentionMode):
     config_class = FullConfig
     layout_depends_on_inputs = False  # the layout is a function of seq and the config alone
 
+    def dense_at(self, seq: SeqInfo) -> bool:
+        return True
+
     def build_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> BlockLayout:
         return causal_layout(seq, self.block_size)

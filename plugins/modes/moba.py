@@ -51,7 +51,7 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from elasticfw.attention.layout import BlockLayout
+from elasticfw.attention.layout import BlockLayout, causal_layout
 from elasticfw.attention.mode import AttentionMode, ModeConfig
 from elasticfw.attention.pattern_layouts import (
     key_blocks_to_layout,
@@ -129,13 +129,21 @@ class MobaAttention(AttentionMode):
 
     def selects_every_block(self, seq: SeqInfo) -> bool:
         """Whether ``top_k`` is at least the MoBA blocks of ``seq``: every block up to a query's own
-        is then selected whatever the gates, and the layouts skip gating (the same selection,
-        exactly; NSA's method of the same name decides the same for ``top_n``)."""
+        is then selected whatever the gates, and the layout is the dense causal one without gating
+        (the same pairs, exactly; NSA's method of the same name decides the same for ``top_n``)."""
         return self.config.top_k >= self.num_blocks(seq)
+
+    def dense_at(self, seq: SeqInfo) -> bool:
+        """:meth:`selects_every_block`: every block up to a query's own is every causal key."""
+        return self.selects_every_block(seq)
 
     def build_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> BlockLayout:
         seq.check(q, k)
         num_blocks = self.num_blocks(seq)
+        if self.dense_at(seq):  # whatever the gates: full attention (a pinned planner that cannot run still fails)
+            if self.config.query_granularity == "token":
+                self.planning_backend(q, num_blocks)
+            return causal_layout(seq, self.config.block_size)
         if self.config.query_granularity == "token":
             return self._token_layout(q, k, seq, num_blocks)
         return self._block_layout(q, k, seq, num_blocks)
@@ -148,11 +156,6 @@ class MobaAttention(AttentionMode):
         backend = self.planning_backend(q, nmb)  # a pinned planner that cannot run fails, at every length
         current = torch.div(seq.query_positions(), moba, rounding_mode="floor").clamp(0, nmb - 1)  # (B, Sq)
         real = seq.query_valid()  # (B, Sq): padding rows select nothing
-        if self.selects_every_block(seq):  # every block up to the row's own, whatever the gates: no gating
-            blocks = torch.arange(nmb, device=q.device)
-            selected = (blocks <= current[:, None, :, None]) & real[:, None, :, None]
-            return row_selection_layout(selected.expand(batch, hq, sq, nmb).contiguous(), seq, cfg.block_size,
-                                        key_block_size=moba)
         means = key_block_means(k, seq, moba)
         if backend == "triton":
             from elasticfw.kernels.moba_select import moba_token_selection_triton
@@ -177,15 +180,10 @@ class MobaAttention(AttentionMode):
         moba, bs = cfg.moba_block_size, cfg.block_size
         batch, hq = q.shape[:2]
         current = torch.div(seq.query_block_positions(bs) * bs, moba, rounding_mode="floor").clamp(0, nmb - 1)
-        if self.selects_every_block(seq):  # every block up to the tile's own, whatever the gates: no gating
-            _, valid = query_grid(q[:, :1, :, :0], seq, bs)  # which grid rows are real queries
-            blocks = torch.arange(nmb, device=q.device)
-            selected = (blocks <= current[:, None, :, None]).expand(batch, hq, -1, nmb).clone()
-        else:
-            grid, valid = query_grid(q.float(), seq, bs)
-            pooled = pool_tiles(grid, valid, bs, "mean")  # (B, Hq, NQB, D): the mean of each tile's real queries
-            means = key_block_means(k, seq, moba)
-            selected = select_blocks(gate_scores(pooled, means), current[:, None].expand(batch, hq, -1), cfg.top_k)
+        grid, valid = query_grid(q.float(), seq, bs)
+        pooled = pool_tiles(grid, valid, bs, "mean")  # (B, Hq, NQB, D): the mean of each tile's real queries
+        means = key_block_means(k, seq, moba)
+        selected = select_blocks(gate_scores(pooled, means), current[:, None].expand(batch, hq, -1), cfg.top_k)
         occupied = valid.view(batch, -1, bs).any(-1)
         selected &= occupied[:, None, :, None]  # tiles without a real query compute nothing
         return key_blocks_to_layout(selected, seq, bs, key_block_size=moba)

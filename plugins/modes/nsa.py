@@ -89,7 +89,7 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from elasticfw.attention.layout import BlockLayout, RowSelection, block_grid
+from elasticfw.attention.layout import BlockLayout, RowSelection, block_grid, causal_layout
 from elasticfw.attention.mode import AttentionMode, AttentionOutput, ModeConfig
 from elasticfw.attention.pattern_layouts import tile_union
 from elasticfw.attention.patterns import topk_select, window_means
@@ -348,24 +348,28 @@ class NSAAttention(AttentionMode):
         self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, *, scale: float | None = None
     ) -> BlockLayout:
         seq.check(q, k)
+        if self.dense_at(seq):  # whatever the importance: full attention (a pinned scorer that cannot run still fails)
+            if self.config.query_granularity == "block":
+                self.scoring_backend(q, k)
+            return causal_layout(seq, self.config.block_size)
         if self.config.query_granularity == "token":
             return self._token_layout(q, k, seq, scale)
         return self._block_layout(q, k, seq, scale)
 
     def selects_every_block(self, seq: SeqInfo) -> bool:
         """Whether ``top_n`` is at least the key blocks of ``seq``: every causal block is then selected
-        whatever the importance, and the layouts skip scoring (the same selection, exactly)."""
+        whatever the importance, and the layout is the dense causal one (no scoring; the same pairs,
+        exactly: the window adds nothing)."""
         return self.config.top_n >= seq.num_key_blocks(self.config.block_size)
+
+    def dense_at(self, seq: SeqInfo) -> bool:
+        """:meth:`selects_every_block` (the compression branch, if on, is still merged)."""
+        return self.selects_every_block(seq)
 
     def _block_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, scale: float | None) -> BlockLayout:
         cfg = self.config
         bs, window = cfg.block_size, cfg.window
-        if self.selects_every_block(seq):  # no scoring: any importance selects every causal block
-            self.scoring_backend(q, k)  # a pinned scorer that cannot run still fails, at every length
-            q_blocks, k_blocks = block_grid(seq, bs)
-            selected = (k_blocks <= q_blocks)[:, None].expand(q.shape[0], k.shape[1], -1, -1).contiguous()
-        else:
-            selected = self.select_blocks(self.block_importance(q, k, seq, scale), seq)  # (B, Hkv, NQB, NKB)
+        selected = self.select_blocks(self.block_importance(q, k, seq, scale), seq)  # (B, Hkv, NQB, NKB)
         if window == 0:
             return BlockLayout(selected, bs)
         reach, inside = window_blocks(seq, bs, window)

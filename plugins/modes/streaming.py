@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from elasticfw.attention.layout import BlockLayout, block_grid
+from elasticfw.attention.layout import BlockLayout, block_grid, causal_layout
 from elasticfw.attention.mode import AttentionMode, DecodeKeep, ModeConfig
 from elasticfw.attention.seq import SeqInfo
 
@@ -60,9 +60,19 @@ class StreamingAttention(AttentionMode):
     layout_depends_on_inputs = False  # the layout is a function of seq and the config alone
     config: StreamingConfig
 
+    def dense_at(self, seq: SeqInfo) -> bool:
+        """Whether sink and window cover every key of ``seq``: at most ``sink_tokens + local_tokens``
+        keys. Token granularity: position ``p`` drops key ``j`` only if ``sink <= j <= p - local``,
+        which needs ``p >= sink + local``. Block granularity (sink and local whole blocks): query
+        block ``i`` drops a block only if ``i >= (sink + local) / bs``, i.e. past the same key count."""
+        cfg = self.config
+        return seq.kv_capacity <= cfg.sink_tokens + cfg.local_tokens
+
     def build_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> BlockLayout:
         cfg = self.config
         bs = cfg.block_size
+        if self.dense_at(seq):
+            return causal_layout(seq, bs)
         q_blocks, k_blocks = block_grid(seq, bs)  # (B,NQB,1), (1,1,NKB)
         causal = k_blocks <= q_blocks
         if cfg.granularity == "block":

@@ -197,13 +197,18 @@ class XAttention(AttentionMode):
             self.config.estimator, q.device, why_not, mode="xattention", field="estimator", label="XAttention"
         )
 
+    def dense_at(self, seq: SeqInfo) -> bool:
+        """``threshold >= 1`` (every causal block explicitly), or at most two key blocks: key block 0
+        and the diagonal, both always kept, are then every causal block."""
+        return self.config.threshold >= 1.0 or seq.num_key_blocks(self.config.block_size) <= 2
+
     def build_layout(
         self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, *, scale: float | None = None
     ) -> BlockLayout:
         cfg = self.config
         bs = cfg.block_size
         seq.check(q, k)
-        if cfg.threshold >= 1.0:
+        if self.dense_at(seq):
             return causal_layout(seq, bs)
         backend = self.planning_backend(q)
         batch, hq = q.shape[:2]
