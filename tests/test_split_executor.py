@@ -527,3 +527,23 @@ def test_a_decode_step_over_per_sample_blocks_is_not_shared():
         kk, vv = (t[b : b + 1, :, keys].repeat_interleave(2, 1) for t in (k, v))
         want = F.scaled_dot_product_attention(q[b : b + 1], kk, vv, scale=0.3)
         assert rel_rms(got[b : b + 1], want) < TOLERANCE[torch.float32]
+
+
+def test_split_heads_decides_once_per_routing_and_again_after_an_in_place_write():
+    """The split decision is kept per routing tensor: the same tensor again gives the very same answer
+    object (no new decision), an in-place write (a new tensor version) a new and right one, and
+    another retrieval/sparse order its own."""
+    q, k, v, seq = make_inputs((1, 4, 2, 20, 100, 8))
+    seq = SeqInfo.dense(1, 1, 100)
+    q = q[:, :, :1]
+    layouts = (FULL.build_layout(q, k, seq), STREAM["block"].build_layout(q, k, seq))
+    assert not layouts[1].dense_causal
+    ex = SplitExecutor()
+    host = _hard([0, 1], 1, 4)  # KV head 0 full: query heads 0, 1 dense
+    first = ex.split_heads(q, k, seq, host, layouts, False, hard_host=host)
+    assert first == ([0, 1], [0])
+    assert ex.split_heads(q, k, seq, host, layouts, False, hard_host=host) is first
+    host[0] = ~host[0]  # in place: KV head 1 full now
+    assert ex.split_heads(q, k, seq, host, layouts, False, hard_host=host) == ([2, 3], [1])
+    swapped = (layouts[1], layouts[0])  # the sparse layout first: hard's True heads are the dense ones
+    assert ex.split_heads(q, k, seq, host, swapped, False, hard_host=host) == ([0, 1], [0])

@@ -212,6 +212,9 @@ class SplitExecutor(Executor):
         self._gather_buffers = (MaskBuffer(), MaskBuffer())
         #: (id of a reusable layout, SeqInfo signature) -> (the layout, whether it computes every causal pair)
         self._every_pair_cache: OrderedDict[tuple[int, tuple], tuple[BlockLayout, bool]] = OrderedDict()
+        #: (id of a routing tensor, its version, retrieval layout dense, Hq, Hkv) -> (the tensor,
+        #: :meth:`split_heads`' answer): one decision per routing, not per layer and step
+        self._split_memo: OrderedDict[tuple, tuple[torch.Tensor, tuple[list[int], list[int]] | None]] = OrderedDict()
 
     def _head_index(self, heads: list[int], device: torch.device) -> torch.Tensor:
         """``heads`` as an int64 tensor on ``device``, kept for the next layer or forward with the
@@ -371,18 +374,28 @@ class SplitExecutor(Executor):
             raise UnsupportedInputError(
                 f"executor 'split': hard_host must have hard's shape {tuple(hard.shape)}, got {tuple(hard_host.shape)}"
             )
+        # the answer depends on the routing's values and which layout is dense: kept per routing
+        # tensor (and its version, bumped by an in-place write), so that the layers and decode steps
+        # that reuse one routing decide once (each decision below is several small operations)
+        source = hard if hard_host is None else hard_host
+        key = (id(source), source._version, lay_r.dense_causal, hq, hkv)
+        hit = self._split_memo.get(key)
+        if hit is not None and hit[0] is source:
+            self._split_memo.move_to_end(key)
+            return hit[1]
         # one device read for every decision below (each would be a synchronisation), none when given
         host = hard.cpu() if hard_host is None else hard_host
-        if not bool((host == host[:1]).all()):
-            return None  # samples routed differently: one launch (documented)
-        dense = (~host[0] if lay_r.dense_causal else host[0]).view(hkv, hq // hkv)
-        whole = dense.all(1) | ~dense.any(1)
-        if not bool(whole.all()):
-            return None  # a GQA group split between the two layouts: one launch
-        dense_kv = [int(i) for i in dense.all(1).nonzero().flatten().tolist()]
-        group = hq // hkv
-        dense_q = [h * group + j for h in dense_kv for j in range(group)]
-        return dense_q, dense_kv
+        answer: tuple[list[int], list[int]] | None = None
+        if bool((host == host[:1]).all()):  # else samples routed differently: one launch (documented)
+            dense = (~host[0] if lay_r.dense_causal else host[0]).view(hkv, hq // hkv)
+            if bool((dense.all(1) | ~dense.any(1)).all()):  # else a GQA group split between the layouts
+                dense_kv = [int(i) for i in dense.all(1).nonzero().flatten().tolist()]
+                group = hq // hkv
+                answer = [h * group + j for h in dense_kv for j in range(group)], dense_kv
+        self._split_memo[key] = (source, answer)
+        while len(self._split_memo) > INDEX_CACHE_SIZE:
+            self._split_memo.popitem(last=False)
+        return answer
 
     # -- the two paths -------------------------------------------------------------------------
     def flex_executor(self) -> FlexExecutor:
