@@ -140,7 +140,8 @@ def _moba_case(kv_lens=None, sq=None, seed=0):
 
     sk = 192
     q, k, v, seq = make_inputs((2, 4, 2, sq or sk, sk, 16), seed=seed, kv_lens=kv_lens)
-    mode = make_mode("moba", {"moba_block_size": 32, "top_k": 3, "block_size": 16, "planner": "torch"})
+    mode = make_mode("moba", {"moba_block_size": 32, "top_k": 3, "block_size": 16, "planner": "torch",
+                              "decode": "sparse"})
     with torch.no_grad():
         layout = mode.build_layout(q, k, seq)
     return q, k, v, seq, layout

@@ -135,10 +135,12 @@ def test_gpu_routed_decode_step_matches_the_reference(n):
     torch.testing.assert_close(got.lse, ref.lse, rtol=1e-3, atol=1e-2)
 
 
-@pytest.mark.parametrize("mode", ["moba", "nsa", "xattention"])
-def test_gpu_32k_decode_layouts_through_the_flex_executor(mode):
+@pytest.mark.parametrize("mode, config", [("moba", {"decode": "sparse"}), ("nsa", {}),
+                                          ("xattention", {"decode": "sparse"})])
+def test_gpu_32k_decode_layouts_through_the_flex_executor(mode, config):
     """A decode step of each data-dependent mode's layout through the flex executor (the decode
-    kernel) against FlexAttention over the same layout."""
+    kernel) against FlexAttention over the same layout (``decode: sparse``: a selected step, not the
+    dense one MoBA and XAttention decode by default)."""
     from elasticfw.bench.inputs import structured_qkv
     from elasticfw.testing.modes import make_mode
     from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
@@ -148,7 +150,8 @@ def test_gpu_32k_decode_layouts_through_the_flex_executor(mode):
     q = q[:, :, -1:]
     seq = SeqInfo.dense(1, 1, n, device="cuda")
     with torch.no_grad():
-        layout = make_mode(mode, {}).build_layout(q, k, seq)
+        layout = make_mode(mode, config).build_layout(q, k, seq)
+        assert not layout.dense_causal
         got = FlexExecutor(FlexConfig(sparse_kernel="triton")).attend(q, k, v, layout, seq, scale=128**-0.5)
         ref = FlexExecutor(FlexConfig(sparse_kernel="flex")).attend(q, k, v, layout, seq, scale=128**-0.5)
     rel = ((got.out.float() - ref.out.float()).norm() / ref.out.float().norm()).item()

@@ -160,6 +160,8 @@ def modes(draw: st.DrawFn) -> AttentionMode:
     name = draw(st.sampled_from(MODE_NAMES), label="mode")
     block_size = draw(st.sampled_from([16, 32]), label="block size")
     extra = {"compression_branch": draw(st.booleans(), label="nsa compression")} if name == "nsa" else {}
+    if "decode" in get_registry().entry("sparse_mode", name).config_class.model_fields:  # type: ignore[union-attr]
+        extra["decode"] = draw(st.sampled_from(["full", "sparse"]), label="decode")
     mode = make_mode(name, block_size, extra)
     if mode is None:
         mode = make_mode(name, 16, {})

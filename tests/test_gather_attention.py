@@ -128,7 +128,7 @@ def test_flex_executor_gathers_moba_token_layouts(case, monkeypatch):
 
     kw = {"prefill": {}, "padded": {"kv_lens": [256, 171]}, "decode": {"kv_lens": [256, 150], "sq": 1}}[case]
     q, k, v, seq, layout = _mode_layout("moba", {"moba_block_size": 32, "top_k": 3, "block_size": 16,
-                                                 "planner": "torch"}, **kw)
+                                                 "planner": "torch", "decode": "sparse"}, **kw)
     import elasticfw.kernels.decode_attention as dec
     import elasticfw.kernels.gather_attention as ga
 

@@ -127,9 +127,10 @@ def test_per_sample_routing_with_padding():
 
 
 def test_content_selecting_retrieval_mode_keeps_its_cache():
-    """XA-SSA: XAttention declares nothing (it may select any past block), so its heads keep every
-    key and run XAttention over their store at decode; streaming heads are compacted."""
-    xa = {"name": "xattention", "block_size": BS, "stride": 4, "threshold": 0.5}
+    """XA-SSA: XAttention declares nothing (under ``decode: sparse`` it may select any past block),
+    so its heads keep every key and run XAttention over their store at decode; streaming heads are
+    compacted."""
+    xa = {"name": "xattention", "block_size": BS, "stride": 4, "threshold": 0.5, "decode": "sparse"}
     full, compact, cache, _ = generate_both("llama", MIXED, [70, 45], retrieval=xa)
     assert torch.equal(full, compact)
     assert int(cache.kept_tokens(1)[0, 1]) == 70 + 23  # a retrieval head of a routed layer

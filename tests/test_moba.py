@@ -89,7 +89,7 @@ def test_token_granularity_equals_upstream_varlen(top_k):
 
 def test_token_granularity_decode_and_chunked_prefill_equal_prefill():
     q, k, v, seq = make_inputs((1, 4, 2, 150, 150, 16))
-    mode = _mode(moba_block_size=32, top_k=3, block_size=16)
+    mode = _mode(moba_block_size=32, top_k=3, block_size=16, decode="sparse")
     ex, scale = reference_executor(), 16**-0.5
     full = mode.attend(q, k, v, seq, ex, scale=scale).out
     chunked = SeqInfo(torch.tensor([110]), torch.tensor([150]), 40, 150)
@@ -212,7 +212,8 @@ def block_granularity_reference(q, k, seq, config):
 
 class TestMobaBlockGranularity(ModeConformance):
     mode_name = "moba"
-    small_config = {"block_size": 16, "moba_block_size": 32, "top_k": 3, "query_granularity": "block"}
+    small_config = {"block_size": 16, "moba_block_size": 32, "top_k": 3, "query_granularity": "block",
+                    "decode": "sparse"}
     dense_config = {"block_size": 16, "moba_block_size": 32, "top_k": 1000, "query_granularity": "block"}
     token_causal = False
     token_reference = staticmethod(block_granularity_reference)

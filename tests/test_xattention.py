@@ -23,7 +23,9 @@ from elasticfw_plugins.modes.xattention import (
 
 
 def _layout(q, k, seq, **config):
-    mode = make_mode("xattention", config)
+    """The layout of ``config`` with ``decode: sparse`` unless given: a one-row call is estimated
+    (what these tests check) only then."""
+    mode = make_mode("xattention", {"decode": "sparse", **config})
     with torch.no_grad():
         return mode.build_layout(q, k, seq)
 
@@ -123,7 +125,7 @@ def test_block_mass_rows_sum_to_real_strided_rows():
 def test_layout_matches_token_definition_other_configs(config, shape):
     kv_lens = [shape[4], shape[4] - 37] if shape[0] == 2 else None
     q, k, _, seq = make_inputs(shape, kv_lens=kv_lens, seed=5)
-    mode = make_mode("xattention", config)
+    mode = make_mode("xattention", {**config, "decode": "sparse"})  # the decode shape: estimated
     layout = mode.build_layout(q, k, seq)
     hq, hkv = q.shape[1], k.shape[1]
     assert layout.num_heads == (hkv if config.get("head_aggregation") == "kv_group" else hq)
@@ -152,7 +154,7 @@ def test_layout_on_host_dense_queries_matches_token_definition(q_len, kv_len, mo
     monkeypatch.setattr(patterns, "query_grid", lambda *a, **kw: grids.append(1) or real_grid(*a, **kw))
     q, k, _, _ = make_inputs((2, 4, 2, q_len, kv_len, 16), seed=3)
     seq = SeqInfo.dense(2, q_len, kv_len)
-    config = {"block_size": 16, "stride": 4, "threshold": 0.6}
+    config = {"block_size": 16, "stride": 4, "threshold": 0.6, "decode": "sparse"}
     layout = _layout(q, k, seq, **config)
     expected = token_reference(q, k, seq, make_mode("xattention", config).config)
     assert torch.equal(dense_mask(layout, seq, num_heads=4), expected)

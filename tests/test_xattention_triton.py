@@ -271,7 +271,7 @@ def test_build_layout_triton_equals_torch(config):
 def test_build_layout_decode_and_chunked_prefill():
     for seq in (_seq([169, 122], [170, 123], 1, 170), _seq([41, 7], [170, 123], 90, 170)):
         q, k = _inputs(seq, 4, 2, 16, torch.float32, seed=8)
-        cfg = {"block_size": 16, "stride": 4, "threshold": 0.7}
+        cfg = {"block_size": 16, "stride": 4, "threshold": 0.7, "decode": "sparse"}
         a = make_mode("xattention", {**cfg, "estimator": "torch"}).build_layout(q, k, seq)
         b = make_mode("xattention", {**cfg, "estimator": "triton"}).build_layout(q, k, seq, scale=None)
         assert torch.equal(a.blocks, b.blocks)

@@ -29,8 +29,14 @@ Query granularity:
   the gate is linear in ``q``). The mean keeps the score on the same scale as a token's and
   rewards blocks the whole tile agrees on, where a max would let one outlier row choose for
   all. A row's output then depends on the later queries of its tile (not token-causal), and
-  a decode step (one query) may select differently from the prefill tile it belongs to. No
-  token mask is needed: the layout is exact at tile granularity.
+  under ``decode: sparse`` a decode step (one query) may select differently from the prefill tile
+  it belongs to. No token mask is needed: the layout is exact at tile granularity.
+
+Decode: upstream gates the prefill only (its ``moba_layer`` runs FlashAttention over the cache when
+``q_len != kv_len``). ``decode: full`` (default) runs a call of one query row as full attention over
+every earlier key (:meth:`MobaAttention.dense_at`), no gating; ``decode: sparse`` gates that query
+as in prefill (granularity ``token``: the selection of that token's prefill row). A chunked prefill
+of several rows is gated either way (upstream would run it dense).
 
 ``block_size`` is the layout tile the executor runs (as for every mode); ``moba_block_size``
 must be a multiple of it, so one MoBA block is ``moba_block_size / block_size`` layout blocks.
@@ -93,6 +99,12 @@ class MobaConfig(ModeConfig):
         "the kernel (an error where it cannot run). Same selection up to float32 rounding of the gates. "
         "Granularity `block` always plans in PyTorch (already cheap).",
     )
+    decode: Literal["full", "sparse"] = Field(
+        "full",
+        description="A call of one query row (a decode step): `full` attends every earlier key, as upstream "
+        "MoBA decodes (its `moba_layer` runs FlashAttention when q_len != kv_len); `sparse` gates and selects "
+        "for that one query, as in prefill (granularity `token`: the very selection of that token's prefill row).",
+    )
 
     @model_validator(mode="after")
     def _block_multiple(self) -> MobaConfig:
@@ -134,8 +146,9 @@ class MobaAttention(AttentionMode):
         return self.config.top_k >= self.num_blocks(seq)
 
     def dense_at(self, seq: SeqInfo) -> bool:
-        """:meth:`selects_every_block`: every block up to a query's own is every causal key."""
-        return self.selects_every_block(seq)
+        """:meth:`selects_every_block` (every block up to a query's own is every causal key), or a
+        decode step (one query row) under ``decode: full``."""
+        return self.selects_every_block(seq) or (self.config.decode == "full" and seq.q_len == 1)
 
     def build_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> BlockLayout:
         seq.check(q, k)

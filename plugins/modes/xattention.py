@@ -21,8 +21,8 @@ strided granularity (keep ``n <= m``), soft-maxed over ``n`` and summed into
 ``(block/S) x (block/S)`` groups: ``mass[M, N]`` is the probability that the strided rows of
 position block ``M`` put on key block ``N``. A strided row contributes only if it holds at least
 one real query of the sample; its other (absent) query positions are zero vectors. So an
-unaligned first block of a chunked prefill and a single decode query are estimated from the
-real query rows present, and padding (keys past ``kv_len``, rows past the sample's end) never
+unaligned first block of a chunked prefill and a single decode query (``decode: sparse``) are
+estimated from the real query rows present, and padding (keys past ``kv_len``, rows past the sample's end) never
 reaches a real row's estimate. The strided diagonal tile may read keys later in the same
 ``S``-tile (hence the same block): the estimate is causal at block granularity, not per token.
 
@@ -34,6 +34,11 @@ cumulative mass is still below the target, *and the block that crosses it is inc
 (upstream's rule). ``row_total`` is the row's summed mass (its number of real strided rows).
 ``threshold >= 1`` keeps every causal block explicitly, so rounding in cumulative sums can
 never drop a block in the dense limit; that layout is marked ``dense_causal``.
+
+**Decode.** Upstream XAttention prunes the prefill and decodes with dense attention
+(``flashinfer.single_decode_with_kv_cache`` for a one-token query). ``decode: full`` (default) does
+the same: a call of one query row is full attention over every earlier key (:meth:`dense_at`), no
+estimate. ``decode: sparse`` estimates and selects from that query, as above.
 
 **Heads.** Routing in Elastic Attention is per KV head, but XAttention selects per query head
 (upstream repeats K/V). ``head_aggregation: query`` (default) returns one layout per query head
@@ -128,6 +133,12 @@ class XAttentionConfig(ModeConfig):
         "when they can run there and the PyTorch reference elsewhere; `torch` always the reference; `triton` "
         "always the kernels (an error where they cannot run). Same masses up to float32 summation order.",
     )
+    decode: Literal["full", "sparse"] = Field(
+        "full",
+        description="A call of one query row (a decode step): `full` attends every earlier key, as upstream "
+        "XAttention decodes (dense decode attention; XAttention prunes the prefill); `sparse` estimates and "
+        "selects blocks from that one query, as in prefill.",
+    )
 
     @field_validator("threshold")
     @classmethod
@@ -198,9 +209,15 @@ class XAttention(AttentionMode):
         )
 
     def dense_at(self, seq: SeqInfo) -> bool:
-        """``threshold >= 1`` (every causal block explicitly), or at most two key blocks: key block 0
-        and the diagonal, both always kept, are then every causal block."""
-        return self.config.threshold >= 1.0 or seq.num_key_blocks(self.config.block_size) <= 2
+        """``threshold >= 1`` (every causal block explicitly), at most two key blocks (key block 0
+        and the diagonal, both always kept, are then every causal block), or a decode step (one
+        query row) under ``decode: full``."""
+        cfg = self.config
+        return (
+            cfg.threshold >= 1.0
+            or seq.num_key_blocks(cfg.block_size) <= 2
+            or (cfg.decode == "full" and seq.q_len == 1)
+        )
 
     def build_layout(
         self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, *, scale: float | None = None

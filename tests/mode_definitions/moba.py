@@ -2,7 +2,8 @@
 
 Query at position p (MoBA block c = p // M): key j is visible iff j <= p and j // M is c or one of
 the top_k - 1 blocks n < c with the highest gate q · mean(K_n) (float32); equal gates go to the
-lower n. The block-granular variant has its own definition in test_moba.py."""
+lower n. A call of one query row under ``decode: full`` sees every j <= p. The suite runs
+``decode: sparse`` (the gated decode step). The block-granular variant has its own definition in test_moba.py."""
 
 import torch
 
@@ -15,6 +16,8 @@ def token_reference(q, k, seq, config):
     group = hq // k.shape[1]
     block_of_key = torch.arange(seq.kv_capacity) // size
     out = causal(seq, hq).clone()
+    if config.decode == "full" and sq == 1:
+        return out  # a decode step under decode: full is full attention (upstream: no gating at decode)
     for b in range(batch):
         kv_len, q_start = int(seq.kv_len[b]), int(seq.q_start[b])
         for h in range(hq):
@@ -34,7 +37,8 @@ def token_reference(q, k, seq, config):
 
 
 DEFINITION = dict(
-    small_config={"block_size": 16, "moba_block_size": 32, "top_k": 3, "query_granularity": "token"},
+    small_config={"block_size": 16, "moba_block_size": 32, "top_k": 3, "query_granularity": "token",
+                  "decode": "sparse"},
     dense_config={"block_size": 16, "moba_block_size": 32, "top_k": 1000, "query_granularity": "token"},
     token_causal=True,
     token_reference=token_reference,

@@ -49,6 +49,8 @@ def token_reference(q, k, seq, config, scale=None):
     batch, hq, sq, dim = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     group = hq // hkv
+    if config.decode == "full" and sq == 1:
+        return causal(seq, hq)  # a decode step under decode: full is full attention (upstream's dense decode)
     out = torch.zeros(batch, hq, sq, sk, dtype=torch.bool)
     for b in range(batch):
         q_start, kv_len = int(seq.q_start[b]), int(seq.kv_len[b])
@@ -138,7 +140,7 @@ def brute_mass(q, k, seq, block_size, stride, scale=None):
 
 
 DEFINITION = dict(
-    small_config={"block_size": 16, "stride": 4, "threshold": 0.9},
+    small_config={"block_size": 16, "stride": 4, "threshold": 0.9, "decode": "sparse"},
     dense_config={"block_size": 16, "stride": 4, "threshold": 1.0},
     token_causal=False,
     token_reference=token_reference,
