@@ -10,6 +10,7 @@ import torch
 
 from elasticfw.attention.layout import causal_layout
 from elasticfw.bench import attention as bench
+from elasticfw.bench import attention_checks, attention_setup, timing
 from elasticfw.registry import get_registry
 from elasticfw.testing.modes import make_mode
 
@@ -58,7 +59,7 @@ def test_a_failing_mode_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
             raise RuntimeError("boom")
 
     streaming = make_mode("streaming", {"block_size": 16, "sink_tokens": 16, "local_tokens": 32})
-    monkeypatch.setattr(bench, "_modes", lambda args: [Broken(), streaming])
+    monkeypatch.setattr(bench, "bench_modes", lambda args: [Broken(), streaming])
     out = tmp_path / "bench.json"
     rc = bench.main([*TINY, *FAST, "--seq", "64", "--check-seq", "0", "--no-backward", "--out", str(out)])
     data = json.loads(out.read_text())
@@ -75,7 +76,7 @@ def test_hybrid_layout_keeps_the_first_kv_heads_full():
     seq = SeqInfo.dense(1, 64, 64)
     streaming = make_mode("streaming", {"block_size": 16, "sink_tokens": 16, "local_tokens": 16})
     sparse = streaming.build_layout(torch.empty(0), torch.empty(0), seq)
-    hybrid = bench._hybrid(sparse, seq, hq=8, hkv=4, msr=0.75)
+    hybrid = attention_setup.hybrid(sparse, seq, hq=8, hkv=4, msr=0.75)
     causal = causal_layout(seq, 16).blocks[0, 0]
     assert torch.equal(hybrid.blocks[0, 0], causal) and torch.equal(hybrid.blocks[0, 1], causal)
     assert not torch.equal(hybrid.blocks[0, 2], causal)
@@ -92,10 +93,11 @@ def test_flex_set_reaches_the_flex_executor(tmp_path):
     assert rc == 0, data["failures"]
     rows = {(r["name"], r["kind"]): r for r in data["results"]}
     assert rows[("convert:streaming", "convert")]["kernel_block_size"] == 32
-    assert bench._flex_config(bench.parse_args(["--out", "x", "--flex-set", "kernel_options={BLOCK_M: 64}"])) == {
+    assert attention_setup.flex_config(bench.parse_args(["--out", "x", "--flex-set", "kernel_options={BLOCK_M: 64}"])) == {
         "implementation": "auto", "kernel_options": {"BLOCK_M": 64}}
     with pytest.raises(pydantic.ValidationError, match="no_such_field"):
-        bench._executor("flex", **bench._flex_config(bench.parse_args(["--out", "x", "--flex-set", "no_such_field=1"])))
+        timing.make_executor("flex", **attention_setup.flex_config(bench.parse_args(["--out", "x", "--flex-set",
+                                                                                    "no_such_field=1"])))
 
 
 @pytest.mark.skipif(not __import__("elasticfw.kernels", fromlist=["interpreting"]).interpreting(),
@@ -110,13 +112,14 @@ def test_forward_only_checks_and_flex_set_under_split(tmp_path, monkeypatch):
     real = bsa.block_layout_attention
     monkeypatch.setattr(bsa, "block_layout_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     made = {}
-    real_executor = bench._executor
+    real_executor = timing.make_executor
 
     def executor(name, **config):
         made[name] = real_executor(name, **config)
         return made[name]
 
-    monkeypatch.setattr(bench, "_executor", executor)
+    for module in (bench, attention_checks):  # the timed entries and the checks
+        monkeypatch.setattr(module, "make_executor", executor)
     out = tmp_path / "bench.json"
     rc = bench.main([*TINY, *FAST, "--seq", "64", "--check-seq", "96", "--no-backward", "--no-hybrid",
                      "--executors", "flex", "split", "--modes", "streaming",

@@ -50,6 +50,11 @@ Before them ``--steps gpu-tests`` runs the GPU tests of the kernels (``pytest -m
    --cprofile 200``, the host time of one routed layer's decode attention piece by piece (dense SDPA,
    the Triton decode kernel, the split executor's routed call) and where the kernel's call spends it.
 
+9. ``variants/router_timing.json`` (only with ``--steps router-host``): ``tools/router_timing.py
+   --cprofile 100``, where the router's time per layer goes: its Python, Triton's launch, and the
+   kernel's own GPU time (a CUDA graph replay), which says whether the router figure is bound by
+   the host or by the kernel.
+
 then ``targets``. ``demo-cpu`` times the old CPU demo (``results/demo-cpu.json``: ``elasticfw
 compare`` on the embedded SmolLM2-135M, passkey at 1,440 tokens, 20 samples, batch 4, 8 new tokens;
 full attention vs every head streaming with sink 64 / local 256), ``--executor`` (default
@@ -131,6 +136,8 @@ def gpu(args: argparse.Namespace) -> int:
                     "--json", str(out / "variants" / "kernel_timing.json")],
         "decode-host": [py, str(Path(__file__).with_name("decode_host_timing.py")), "--cprofile", "200", "--json",
                         str(out / "variants" / "decode_host.json")],
+        "router-host": [py, str(Path(__file__).with_name("router_timing.py")), "--cprofile", "100", "--json",
+                        str(out / "variants" / "router_timing.json")],
         "density": [py, "-m", "elasticfw.bench.density", "--seq", "131072", "--tiles", "128,128,8,2", "--triton",
          "128,128,8,3", "128,64,8,3", "--overwrite", "--out", str(out / "density.json")],
     }
@@ -254,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--layers", type=int, default=4, help="decoder layers of the model prefill (of 32)")
     g.add_argument("--with-qwen", action="store_true", help="also the Qwen3-8B shape in the prefill benchmark")
     g.add_argument("--steps", nargs="+", choices=["gpu-tests", "attention", "router", "prefill", "decode", "density", "variants", "kernels",
-                            "decode-host"],
+                            "decode-host", "router-host"],
                    default=["attention", "router", "prefill", "density"],
                    help="which benchmarks to run (one call each when a command has a time limit)")
     g.set_defaults(func=gpu)

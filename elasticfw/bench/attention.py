@@ -42,173 +42,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-import traceback
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from elasticfw.atomic import atomic_write_text
 from elasticfw.attention.flex_mask import to_block_mask
-from elasticfw.attention.layout import BlockLayout, causal_layout, esr, select_heads
+from elasticfw.attention.layout import BlockLayout, causal_layout, esr
 from elasticfw.attention.mode import AttentionMode
 from elasticfw.attention.seq import SeqInfo
+from elasticfw.bench.attention_checks import correctness, layout_memory, routed_correctness
+from elasticfw.bench.attention_setup import bench_modes, flex_config, hybrid, hybrid_heads, inner_flex
 from elasticfw.bench.inputs import InputStructure, describe, random_qkv, structured_qkv
+from elasticfw.bench.timing import DTYPES, Recorder, causal_flops, first_call_s, make_executor, time_ms
 from elasticfw.provenance import environment
-from elasticfw.registry import get_registry
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-# ---------------------------------------------------------------------------------------
-# Environment
-# ---------------------------------------------------------------------------------------
-
-
-# ---------------------------------------------------------------------------------------
-# Timing
-# ---------------------------------------------------------------------------------------
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_ms(fn: Callable[[], Any], device: torch.device, args: argparse.Namespace, grads=None) -> float:
-    """Median milliseconds of ``fn``: triton's do_bench on CUDA (L2 flushed between runs, warmup
-    and repetition budgets in ms), a synchronised wall-clock loop elsewhere."""
-    if device.type == "cuda":
-        try:
-            from triton.testing import do_bench
-        except ImportError:
-            do_bench = None
-        if do_bench is not None:
-            return float(
-                do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms, grad_to_none=grads, return_mode="median")
-            )
-    for _ in range(args.cpu_warmup):
-        fn()
-    times = []
-    for _ in range(args.cpu_iters):
-        if grads:
-            for t in grads:
-                t.grad = None
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
-
-
-def first_call_s(fn: Callable[[], Any], device: torch.device) -> float:
-    _sync(device)
-    start = time.perf_counter()
-    fn()
-    _sync(device)
-    return time.perf_counter() - start
-
-
-# ---------------------------------------------------------------------------------------
-# The benchmark
-# ---------------------------------------------------------------------------------------
-
-
-class Recorder:
-    """Collects result rows; a failing entry becomes a row with its error. ``on_row`` runs after
-    every row (the JSON is rewritten each time, so a run cut short still leaves its results)."""
-
-    def __init__(self, on_row: Callable[[Recorder], None] | None = None) -> None:
-        self.rows: list[dict[str, Any]] = []
-        self.failures: list[str] = []
-        self.on_row = on_row
-
-    def run(self, row: dict[str, Any], body: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-        row = dict(row, error=None)
-        try:
-            body(row)
-        except Exception as exc:  # noqa: BLE001 - a benchmark entry's failure is recorded, the run goes on
-            row["error"] = f"{type(exc).__name__}: {exc}"
-            row["traceback"] = traceback.format_exc(limit=8)
-            self.failures.append(f"{row.get('name')} [{row.get('kind')}] S={row.get('seq')}: {row['error']}")
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()  # after an out-of-memory error, let the next entry start clean
-        self.rows.append(row)
-        if self.on_row is not None:
-            self.on_row(self)
-        status = f"{row['ms']:.3f} ms" if row.get("ms") is not None else (row["error"] or "ok")
-        print(f"[bench] S={row.get('seq')} {row.get('kind'):8s} {row.get('name')}: {status}", flush=True)
-        return row
-
-
-def causal_flops(batch: int, heads: int, seq: int, dim: int) -> float:
-    """Forward FLOPs of causal attention (two matmuls over the causal half)."""
-    return 4.0 * batch * heads * dim * seq * (seq + 1) / 2
-
-
-def _flex_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The flex executor's config from ``--implementation`` and ``--flex-set FIELD=VALUE`` items."""
-    config: dict[str, Any] = {"implementation": args.implementation}
-    for item in getattr(args, "flex_set", None) or []:
-        field, sep, raw = item.partition("=")
-        if not (sep and field):
-            raise SystemExit(f"--flex-set {item!r}: expected FIELD=VALUE, e.g. kernel_block_size=64")
-        config[field] = yaml.safe_load(raw)
-    return config
-
-
-def _inner_flex(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    """``{"flex": ...}`` for an executor whose config nests flex options (split's sparse path), so
-    that ``--flex-set`` reaches it too; ``{}`` without ``--flex-set`` or such a field."""
-    fields = get_registry().entry("executor", name).config_class.model_fields  # type: ignore[union-attr]
-    if not getattr(args, "flex_set", None) or "flex" not in fields:
-        return {}
-    return {"flex": {k: v for k, v in _flex_config(args).items() if k != "implementation"}}
-
-
-def _modes(args: argparse.Namespace) -> list[AttentionMode]:
-    registry = get_registry()
-    names = registry.names("sparse_mode") if not args.modes else args.modes
-    overrides: dict[str, dict[str, Any]] = {}
-    for item in args.set or []:
-        key, sep, raw = item.partition("=")
-        name, dot, field = key.partition(".")
-        if not (sep and dot and field):
-            raise SystemExit(f"--set {item!r}: expected MODE.FIELD=VALUE, e.g. moba.query_granularity=block")
-        overrides.setdefault(name, {})[field] = yaml.safe_load(raw)
-    out = []
-    for name in names:
-        entry = registry.entry("sparse_mode", name)
-        config = entry.config_class.model_validate({"name": name, **overrides.get(name, {})})  # type: ignore[union-attr]
-        out.append(entry.cls(config))
-    return out
-
-
-def _hybrid_heads(seq: SeqInfo, hq: int, hkv: int, msr: float) -> torch.Tensor:
-    """(B, Hq) bool, True on the sparse heads: all but the first ``round((1 - msr) * hkv)`` KV heads."""
-    n_full = int(round((1.0 - msr) * hkv))
-    group = hq // hkv
-    return (torch.arange(hq, device=seq.device) // group >= n_full)[None, :].expand(seq.batch, hq)
-
-
-def _hybrid(sparse: BlockLayout, seq: SeqInfo, hq: int, hkv: int, msr: float) -> BlockLayout:
-    """First ``round((1 - msr) * hkv)`` KV heads full (causal), the rest ``sparse`` (per query head)."""
-    full = causal_layout(seq, sparse.block_size)
-    return select_heads(~_hybrid_heads(seq, hq, hkv, msr), full, sparse)
-
-
-def _executor(name: str, **config: Any) -> Any:
-    """A registered executor with ``config``: the bench reaches executors through the registry, as
-    third-party code does (the core never imports the built-in plugins)."""
-    registry = get_registry()
-    return registry.make("executor", registry.entry("executor", name).config_class(**config))  # type: ignore[misc]
-
 
 _RAW_FLEX: list[Any] = []
 
@@ -302,7 +152,7 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
             rec.run({"seq": S, "name": name, "kind": kind}, sdpa_body)
 
     # -- the raw FlexAttention kernel on a prebuilt causal mask --------------------------
-    executor = _executor("flex", **_flex_config(args))
+    executor = make_executor("flex", **flex_config(args))
     impl = executor.implementation(device)
     for kind in ("fwd", "fwd_bwd"):
         if kind == "fwd_bwd" and (args.no_backward or impl == "eager"):
@@ -339,7 +189,7 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
 
     # -- every registered mode through the executor -------------------------------------
     layouts: dict[str, tuple[AttentionMode, BlockLayout]] = {}
-    for mode in _modes(args):
+    for mode in bench_modes(args):
 
         def layout_body(row, mode=mode):
             with torch.no_grad():
@@ -378,7 +228,7 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
                 (
                     f"hybrid(full+{name},msr={args.msr})",
                     None,
-                    lambda layout=layout: _hybrid(layout, seq, hq, hkv, args.msr),
+                    lambda layout=layout: hybrid(layout, seq, hq, hkv, args.msr),
                 )
             )
 
@@ -439,7 +289,7 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
 
     # -- other executors (e.g. split): every mode alone, and the hybrid through attend_routed ------
     for ex_name in [n for n in args.executors if n != "flex"]:
-        other = _executor(ex_name, **_inner_flex(ex_name, args))
+        other = make_executor(ex_name, **inner_flex(ex_name, args))
         for name, (_mode, layout) in layouts.items():
             def alone(layout: BlockLayout = layout, other: Any = other) -> Any:
                 return other.attend(q0, k0, v0, layout, seq, scale=scale, need_lse=False)
@@ -449,7 +299,7 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
 
                 def routed(layout: BlockLayout = layout, other: Any = other) -> Any:
                     full = causal_layout(seq, layout.block_size)
-                    hard = _hybrid_heads(seq, hq, hkv, args.msr)
+                    hard = hybrid_heads(seq, hq, hkv, args.msr)
                     return other.attend_routed(q0, k0, v0, seq, hard=hard, layouts=(full, layout), scale=scale,
                                                need_lse=False)
 
@@ -465,186 +315,6 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
                     finish(row, time_ms(fn, device, args), dense=False)
 
                 rec.run({"seq": S, "name": entry, "kind": "fwd"}, other_body)
-
-
-def correctness(N: int, args: argparse.Namespace, rec: Recorder, device: torch.device) -> None:
-    """The flex executor (as configured) against the reference executor on this device, for every
-    registered mode: outputs, lse and q/k/v gradients on a dense prefill, a chunked prefill with
-    unaligned per-sample query starts, and a decode step."""
-    from elasticfw.testing.modes import LSE_TOLERANCE, TOLERANCE, rel_rms
-
-    dtype = DTYPES[args.dtype]
-    hq, hkv, D = args.q_heads, args.kv_heads, args.head_dim
-    tol = TOLERANCE[dtype]
-    lse_tol = LSE_TOLERANCE[dtype]
-    executor = _executor("flex", **_flex_config(args))
-    reference = _executor("reference")
-    cases = {
-        "prefill": SeqInfo.dense(1, N, N, device=device),
-        # a second, shorter sample (still with keys at the smoke test's tiny N)
-        "chunk_unaligned": SeqInfo.from_lengths(torch.tensor([N, max(N - 200, N // 2 + 3)], device=device),
-                                                N // 2 - 37, N),
-        "decode": SeqInfo.from_lengths(torch.tensor([N - 3, N // 2 + 5], device=device), 1, N),
-    }
-    g = torch.Generator(device="cpu").manual_seed(1)
-    for case, seq in cases.items():
-        B = seq.batch
-        q0 = torch.randn(B, hq, seq.q_len, D, generator=g).to(device, dtype)
-        k0 = torch.randn(B, hkv, N, D, generator=g).to(device, dtype)
-        v0 = torch.randn(B, hkv, N, D, generator=g).to(device, dtype)
-        dout = torch.randn(B, hq, seq.q_len, D, generator=g).to(device, dtype)
-        dout = dout * seq.query_valid()[:, None, :, None]  # padding rows' outputs are meaningless
-        for mode in _modes(args):
-
-            def body(row, mode=mode, seq=seq, q0=q0, k0=k0, v0=v0, dout=dout, case=case):
-                with torch.no_grad():
-                    layout = mode.build_layout(q0, k0, seq)
-                row["config"] = mode.config.model_dump()
-                row["esr_mean"] = float(esr(layout, seq, hq).mean())  # a dense layout checks little
-                results = []
-                backward = not args.no_backward  # --no-backward: the forward only (inference kernels)
-                for ex, cast in ((executor, dtype), (reference, torch.float32)):
-                    q, k, v = (t.detach().to(cast).requires_grad_(backward) for t in (q0, k0, v0))
-                    with torch.set_grad_enabled(backward):
-                        res = ex.attend(q, k, v, layout, seq, scale=D**-0.5)
-                    if backward:
-                        res.out.backward(dout.to(cast))
-                    grads = [t.grad.float() for t in (q, k, v)] if backward else []
-                    results.append((res.out.detach().float(), res.lse.detach(), grads))
-                (out, lse, grads), (rout, rlse, rgrads) = results
-                rows = seq.query_valid()[:, None, :]
-                orows = rows[..., None].expand_as(out)
-                row["out_rel_rms"] = rel_rms(out[orows], rout[orows])
-                a, b = lse[rows.expand_as(lse)], rlse[rows.expand_as(rlse)]
-                row["lse_inf_mismatch"] = int((torch.isinf(a) != torch.isinf(b)).sum())
-                fin = torch.isfinite(a) & torch.isfinite(b)
-                row["lse_max_abs"] = float((a[fin] - b[fin]).abs().max()) if bool(fin.any()) else 0.0
-                row["grad_rel_rms"] = {n: rel_rms(x, y) for n, x, y in zip("qkv", grads, rgrads)}  # {}: forward only
-                row["tolerance"] = {"out": tol, "grad": 3 * tol, "lse": lse_tol}
-                bad = []
-                if not row["out_rel_rms"] < tol:
-                    bad.append(f"out rel RMS {row['out_rel_rms']:.2e}")
-                if row["lse_inf_mismatch"]:
-                    bad.append(f"{row['lse_inf_mismatch']} lse -inf mismatches")
-                if not row["lse_max_abs"] < lse_tol:
-                    bad.append(f"lse max abs {row['lse_max_abs']:.2e} >= {lse_tol}")
-                if bool(torch.isnan(a).any()):  # NaN is neither inf nor finite: counted by neither check above
-                    bad.append(f"{int(torch.isnan(a).sum())} NaN lse")
-                bad += [f"d{n} rel RMS {e:.2e}" for n, e in row["grad_rel_rms"].items() if not e < 3 * tol]
-                if bad:
-                    raise AssertionError(f"flex vs reference ({case}): " + ", ".join(bad))
-
-            rec.run({"seq": N, "name": f"check:{mode.name}:{case}", "kind": "check"}, body)
-
-
-def routed_correctness(name: str, N: int, args: argparse.Namespace, rec: Recorder, device: torch.device) -> None:
-    """Executor ``name`` against the reference executor on a dense prefill of N tokens, the way the
-    runtime calls it (``need_lse=False``): every mode's layout alone (``attend``) and routed with
-    full attention (``attend_routed``: the first KV heads full, and every other KV head full);
-    outputs and q/k/v gradients."""
-    from elasticfw.testing.modes import TOLERANCE, rel_rms
-
-    dtype = DTYPES[args.dtype]
-    hq, hkv, D = args.q_heads, args.kv_heads, args.head_dim
-    tol = TOLERANCE[dtype]
-    executor, reference = _executor(name, **_inner_flex(name, args)), _executor("reference")
-    seq = SeqInfo.dense(1, N, N, device=device)
-    g = torch.Generator(device="cpu").manual_seed(2)
-    q0, k0, v0, dout = (torch.randn(1, h, N, D, generator=g).to(device, dtype) for h in (hq, hkv, hkv, hq))
-    group = hq // hkv
-    scattered = (torch.arange(hq, device=device) // group % 2 == 1)[None, :]
-    for mode in _modes(args):
-        with torch.no_grad():
-            layout = mode.build_layout(q0, k0, seq)
-        full = causal_layout(seq, layout.block_size)
-        calls: dict[str, Callable[..., Any]] = {
-            "alone": lambda ex, q, k, v, layout=layout: ex.attend(q, k, v, layout, seq, scale=D**-0.5, need_lse=False)
-        }
-        if not layout.dense_causal:
-            for label, hard in (("routed_first_full", _hybrid_heads(seq, hq, hkv, args.msr)), ("routed_scattered", scattered)):
-                calls[label] = lambda ex, q, k, v, layout=layout, full=full, hard=hard: ex.attend_routed(
-                    q, k, v, seq, hard=hard, layouts=(full, layout), scale=D**-0.5, need_lse=False)
-        for label, call in calls.items():
-
-            def body(row, call=call):
-                results = []
-                backward = not args.no_backward  # --no-backward: the forward only (inference kernels)
-                for ex, cast in ((executor, dtype), (reference, torch.float32)):
-                    q, k, v = (t.detach().to(cast).requires_grad_(backward) for t in (q0, k0, v0))
-                    with torch.set_grad_enabled(backward):
-                        out = call(ex, q, k, v).out
-                    if backward:
-                        out.backward(dout.to(cast))
-                    results.append((out.detach().float(), [t.grad.float() for t in (q, k, v)] if backward else []))
-                (out, grads), (rout, rgrads) = results
-                row["out_rel_rms"] = rel_rms(out, rout)
-                row["grad_rel_rms"] = {n: rel_rms(x, y) for n, x, y in zip("qkv", grads, rgrads)}
-                row["tolerance"] = {"out": tol, "grad": 3 * tol}
-                bad = [] if row["out_rel_rms"] < tol else [f"out rel RMS {row['out_rel_rms']:.2e}"]
-                bad += [f"d{n} rel RMS {e:.2e}" for n, e in row["grad_rel_rms"].items() if not e < 3 * tol]
-                if bad:
-                    raise AssertionError(f"{name} vs reference: " + ", ".join(bad))
-
-            rec.run({"seq": N, "name": f"check:{name}:{mode.name}:{label}", "kind": "check"}, body)
-
-
-def layout_memory(
-    N: int, args: argparse.Namespace, rec: Recorder, device: torch.device
-) -> list[dict[str, Any]]:
-    """Peak memory of building each mode's layout (and its BlockMask) at ``N`` tokens."""
-
-    dtype = DTYPES[args.dtype]
-    B, hq, hkv, D = args.batch, args.q_heads, args.kv_heads, args.head_dim
-    g = torch.Generator(device="cpu").manual_seed(0)
-    q = torch.randn(B, hq, N, D, generator=g).to(device, dtype)
-    k = torch.randn(B, hkv, N, D, generator=g).to(device, dtype)
-    seq = SeqInfo.dense(B, N, N, device=device)
-    executor = _executor("flex", **_flex_config(args))
-    impl = executor.implementation(device)
-    rows = []
-    quadratic = N * N  # bytes of one dense bool mask
-    for mode in _modes(args):
-
-        def body(row, mode=mode):
-            cuda = device.type == "cuda"
-            if cuda:
-                torch.cuda.synchronize(device)
-                torch.cuda.empty_cache()
-                before = torch.cuda.memory_allocated(device)
-                torch.cuda.reset_peak_memory_stats(device)
-            start = time.perf_counter()
-            with torch.no_grad():
-                layout = mode.build_layout(q, k, seq)
-            _sync(device)
-            row["layout_s"] = time.perf_counter() - start
-            row["layout_tensor_mib"] = layout.blocks.numel() / 2**20
-            if cuda:
-                peak = torch.cuda.max_memory_allocated(device) - before
-                row["layout_peak_mib"] = peak / 2**20
-                row["layout_peak_over_N2_bytes"] = peak / quadratic
-                torch.cuda.reset_peak_memory_stats(device)
-                before = torch.cuda.memory_allocated(device)
-            start = time.perf_counter()
-            kb = executor.kernel_block_size(layout.block_size, impl, device)
-            fm = to_block_mask(layout, seq, hq, kernel_block_size=kb, compute_q_blocks=True)
-            _sync(device)
-            row["block_mask_s"] = time.perf_counter() - start
-            row["kernel_block_size"] = kb
-            if cuda:
-                peak_bm = torch.cuda.max_memory_allocated(device) - before
-                row["block_mask_peak_mib"] = peak_bm / 2**20
-                row["block_mask_peak_over_N2_bytes"] = peak_bm / quadratic
-                worst = max(peak, peak_bm)
-                if worst >= quadratic:
-                    raise RuntimeError(
-                        f"peak memory {worst / 2**20:.0f} MiB >= N^2 bytes ({quadratic / 2**20:.0f} MiB): O(N^2)"
-                    )
-            else:
-                row["note"] = "peak memory is measured on CUDA only"
-            del fm, layout
-
-        rows.append(rec.run({"seq": N, "name": f"layout_memory:{mode.name}", "kind": "memory"}, body))
-    return rows
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -742,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "baseline": args.baseline_name,
         "inputs": describe(InputStructure() if args.inputs == "structured" else None),
-        "modes": {m.name: (m.config.model_dump() if hasattr(m, "config") else None) for m in _modes(args)},
+        "modes": {m.name: (m.config.model_dump() if hasattr(m, "config") else None) for m in bench_modes(args)},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.check_seq:

@@ -41,7 +41,7 @@ import torch
 from elasticfw.atomic import atomic_write_text
 from elasticfw.attention.layout import BlockLayout, block_grid
 from elasticfw.attention.seq import SeqInfo
-from elasticfw.bench.attention import DTYPES, Recorder, _executor, causal_flops, time_ms
+from elasticfw.bench.timing import DTYPES, Recorder, causal_flops, make_executor, time_ms
 from elasticfw.provenance import environment
 
 #: the issue's criteria: (figure, density, row field, limit): the row's ratio at ``density`` <= limit
@@ -134,7 +134,7 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
     layouts = {d: random_block_layout(seq, hq, args.block_size, d, seed=S) for d in sorted(args.densities, reverse=True)}
     causal_blocks = int(layouts[max(layouts)].blocks.shape[2] * (layouts[max(layouts)].blocks.shape[2] + 1) // 2)
     for label, extra in _configs(args):
-        executor = _executor("flex", implementation=args.implementation, kernel_block_size=args.block_size, **extra)
+        executor = make_executor("flex", implementation=args.implementation, kernel_block_size=args.block_size, **extra)
         own: dict[str, float] = {}
         for density, layout in layouts.items():
 

@@ -1,0 +1,102 @@
+"""Timing and result recording shared by the benchmarks (:mod:`elasticfw.bench.attention`,
+:mod:`elasticfw.bench.density`): a median time per call (Triton's ``do_bench`` on CUDA, a
+synchronised wall-clock loop elsewhere), a first call's time, a recorder that keeps a failing
+entry's error as a row, and executors reached through the registry."""
+
+from __future__ import annotations
+
+import argparse
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from elasticfw.registry import get_registry
+
+__all__ = ["DTYPES", "Recorder", "causal_flops", "first_call_s", "make_executor", "sync", "time_ms"]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a no-op off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], Any], device: torch.device, args: argparse.Namespace, grads=None) -> float:
+    """Median milliseconds of ``fn``: triton's do_bench on CUDA (L2 flushed between runs, warmup
+    and repetition budgets in ms), a synchronised wall-clock loop elsewhere."""
+    if device.type == "cuda":
+        try:
+            from triton.testing import do_bench
+        except ImportError:
+            do_bench = None
+        if do_bench is not None:
+            return float(
+                do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms, grad_to_none=grads, return_mode="median")
+            )
+    for _ in range(args.cpu_warmup):
+        fn()
+    times = []
+    for _ in range(args.cpu_iters):
+        if grads:
+            for t in grads:
+                t.grad = None
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def first_call_s(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds of one call of ``fn`` (the first: compilation included), synchronised."""
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+class Recorder:
+    """Collects result rows; a failing entry becomes a row with its error. ``on_row`` runs after
+    every row (the JSON is rewritten each time, so a run cut short still leaves its results)."""
+
+    def __init__(self, on_row: Callable[[Recorder], None] | None = None) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.failures: list[str] = []
+        self.on_row = on_row
+
+    def run(self, row: dict[str, Any], body: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        row = dict(row, error=None)
+        try:
+            body(row)
+        except Exception as exc:  # noqa: BLE001 - a benchmark entry's failure is recorded, the run goes on
+            row["error"] = f"{type(exc).__name__}: {exc}"
+            row["traceback"] = traceback.format_exc(limit=8)
+            self.failures.append(f"{row.get('name')} [{row.get('kind')}] S={row.get('seq')}: {row['error']}")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # after an out-of-memory error, let the next entry start clean
+        self.rows.append(row)
+        if self.on_row is not None:
+            self.on_row(self)
+        status = f"{row['ms']:.3f} ms" if row.get("ms") is not None else (row["error"] or "ok")
+        print(f"[bench] S={row.get('seq')} {row.get('kind'):8s} {row.get('name')}: {status}", flush=True)
+        return row
+
+
+def causal_flops(batch: int, heads: int, seq: int, dim: int) -> float:
+    """Forward FLOPs of causal attention (two matmuls over the causal half)."""
+    return 4.0 * batch * heads * dim * seq * (seq + 1) / 2
+
+
+def make_executor(name: str, **config: Any) -> Any:
+    """A registered executor with ``config``: the bench reaches executors through the registry, as
+    third-party code does (the core never imports the built-in plugins)."""
+    registry = get_registry()
+    return registry.make("executor", registry.entry("executor", name).config_class(**config))  # type: ignore[misc]
