@@ -73,3 +73,22 @@ def test_cpu_layer_timing_writes_a_row_per_phase_and_mode(tmp_path, monkeypatch)
     assert len(report["sdpa_masks_ms"]) == 3
     with pytest.raises(SystemExit):
         tool.main(["--tokens", "1"])
+
+
+def test_cpu_routed_decode_timing_checks_both_forms_and_restores_the_bound(tmp_path, monkeypatch):
+    """``tools/cpu_routed_decode_timing.py`` at a tiny size: a row per (batch, keys) with the four
+    timings and the pairs the masked call adds (batch x 6 sparse heads x the keys outside sink and
+    window), and the executor's bound put back."""
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import cpu_routed_decode_timing as tool
+
+    from elasticfw_plugins.executors import gathered
+
+    bound = gathered.MASKED_DECODE_PAIRS
+    out = tmp_path / "routed.json"
+    assert tool.main(["--batch", "2", "--keys", "700", "--calls", "1", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["us_per_call"]
+    assert all(row[k] > 0 for k in ("dense", "two_calls", "masked", "auto"))
+    kept = 64 + 256  # block 10 of 64 holds position 699: blocks 0 and 7-10, the window's 4 blocks
+    assert row["pairs"] == 2 * 6 * (700 - kept)
+    assert gathered.MASKED_DECODE_PAIRS == bound

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import elasticfw_plugins.executors.gathered as gathered_module
 import elasticfw_plugins.executors.split as split_module
 from elasticfw.attention.executor import Executor, ExecutorConfig
 from elasticfw.attention.layout import causal_layout
@@ -25,6 +26,7 @@ from elasticfw.errors import BackendUnavailableError
 from elasticfw.recipe import validate_recipe_data
 from elasticfw.registry import get_registry
 from elasticfw.testing.modes import TOLERANCE, make_inputs, make_mode, rel_rms
+from elasticfw_plugins.executors.gathered import decode_key_bias
 from elasticfw_plugins.executors.split import (
     SplitConfig,
     SplitExecutor,
@@ -222,10 +224,12 @@ def test_fallbacks_run_one_launch_and_stay_exact(case, why, monkeypatch):
 @pytest.mark.parametrize("granularity", ["block", "token"])
 @pytest.mark.parametrize("routing", ["first-full", "scattered", "all-full", "all-sparse"])
 def test_a_decode_step_splits_reads_only_the_window_and_stays_exact(routing, granularity, monkeypatch):
-    """One query per sample at the last of 200 positions, no padding (a host-known SeqInfo): the
-    full heads are one unmasked dense call, the streaming heads a gathered call over the sink and
-    window only (never a padded FlexAttention tile, whatever the device), against the reference
-    executor and the float64 masked attention written above."""
+    """One query per sample at the last of 200 positions, no padding (a host-known SeqInfo), with
+    the one-call masked form switched off (``MASKED_DECODE_PAIRS`` 0, as past its bound): the full
+    heads are one unmasked dense call, the streaming heads a gathered call over the sink and window
+    only (never a padded FlexAttention tile, whatever the device), against the reference executor
+    and the float64 masked attention written above."""
+    monkeypatch.setattr(gathered_module, "MASKED_DECODE_PAIRS", 0)
     q, k, v, _ = make_inputs((2, 8, 4, 1, 200, 16))
     seq = SeqInfo.dense(2, 1, 200)
     hard = _hard(ROUTINGS[routing], 2, 8)
@@ -258,6 +262,61 @@ def test_a_decode_step_splits_reads_only_the_window_and_stays_exact(routing, gra
     assert rel_rms(got, want) < TOLERANCE[torch.float32]
     ref = get_registry().get("executor", "reference")()
     assert rel_rms(got, ref.attend(q, k, v, routed_layout(hard, layouts, seq), seq, scale=0.3).out) < 1e-5
+
+
+@pytest.mark.parametrize("routing", ["first-full", "scattered", "last-full"])
+def test_a_small_decode_step_is_one_masked_call(routing, monkeypatch):
+    """Below ``MASKED_DECODE_PAIRS`` a routed host-dense decode step (block-granular streaming) is
+    one SDPA call over every head and all 200 keys with an additive mask, no dense or gathered
+    call, against the float64 masked attention written above and the reference executor. Its
+    bound: one pair fewer than the step drops takes the two calls."""
+    q, k, v, _ = make_inputs((2, 8, 4, 1, 200, 16), seed=3)
+    seq = SeqInfo.dense(2, 1, 200)
+    hard = _hard(ROUTINGS[routing], 2, 8)
+    layouts = (FULL.build_layout(q, k, seq), STREAM["block"].build_layout(q, k, seq))
+    ex = SplitExecutor(SplitConfig())
+    calls: list[tuple[int, bool]] = []
+    real = F.scaled_dot_product_attention
+
+    def counting(qq, kk, vv, **kw):
+        calls.append((kk.shape[2], kw.get("attn_mask") is not None))
+        return real(qq, kk, vv, **kw)
+
+    spy = _Spy(ex, monkeypatch)
+    monkeypatch.setattr(split_module.F, "scaled_dot_product_attention", counting)
+    got = ex.attend_routed(q, k, v, seq, hard=hard, layouts=layouts, scale=0.3, need_lse=False).out
+    assert calls == [(200, True)] and spy.dense == [] and spy.sparse == []
+    want = _masked(q, k, v, seq, hard, "block", 0.3)
+    assert rel_rms(got, want) < TOLERANCE[torch.float32]
+    ref = get_registry().get("executor", "reference")()
+    assert rel_rms(got, ref.attend(q, k, v, routed_layout(hard, layouts, seq), seq, scale=0.3).out) < 1e-5
+    # the step drops 200 - (1 sink + 2 window blocks) * 16 = 152 keys per sparse head
+    pairs = 2 * int(hard.sum(1)[0]) * 152
+    for bound, one_call in ((pairs, True), (pairs - 1, False)):
+        monkeypatch.setattr(gathered_module, "MASKED_DECODE_PAIRS", bound)
+        calls.clear()
+        again = ex.attend_routed(q, k, v, seq, hard=hard, layouts=layouts, scale=0.3, need_lse=False).out
+        assert (calls == [(200, True)]) == one_call, calls
+        assert rel_rms(again, want) < TOLERANCE[torch.float32]
+
+
+def test_decode_key_bias_definition():
+    """The additive mask of a decode row, written by hand: kept blocks 0, dropped ``-inf``, the
+    last block cut at the capacity; per-head layouts keep their heads; a head keeping no block,
+    a token mask or several rows give ``None``."""
+    from elasticfw.attention.layout import BlockLayout
+
+    blocks = torch.tensor([[1, 0, 0, 1], [0, 1, 1, 1]], dtype=torch.bool)[None, :, None, :]  # (1, 2, 1, 4)
+    bias, dropped = decode_key_bias(BlockLayout(blocks, 4), 14, torch.float32)
+    inf = -math.inf
+    assert bias.shape == (1, 2, 1, 14) and dropped == 14 - 2 * 4
+    assert bias[0, 0, 0].tolist() == [0.0] * 4 + [inf] * 8 + [0.0] * 2
+    assert bias[0, 1, 0].tolist() == [inf] * 4 + [0.0] * 10
+    empty = blocks.clone()
+    empty[0, 1] = False
+    assert decode_key_bias(BlockLayout(empty, 4), 14, torch.float32) is None
+    assert decode_key_bias(BlockLayout(blocks, 4, lambda b, h, qp, kp: kp >= 0), 14, torch.float32) is None
+    assert decode_key_bias(BlockLayout(blocks.expand(1, 2, 2, 4), 4), 14, torch.float32) is None
 
 
 @pytest.mark.skipif(split_module.triton_unavailable(torch.device("cpu")) is not None,

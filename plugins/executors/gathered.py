@@ -61,14 +61,27 @@ from elasticfw.attention.seq import SeqInfo
 __all__ = [
     "BLOCK_ROWS_CALL_BYTES",
     "BLOCK_ROWS_COST",
+    "MASKED_DECODE_PAIRS",
     "MaskBuffer",
     "block_rows_attention",
     "causal_block_flags",
     "chunked_and_exact_tiles",
+    "decode_key_bias",
     "gather_keys",
     "gathered_attention",
     "one_row_attention",
 ]
+
+#: A routed decode step runs as one masked SDPA call over every head and key
+#: (:func:`decode_key_bias`) while that call attends at most this many (sample, query head, key)
+#: pairs the sparse heads' layout drops; above, as two calls (the dense heads, then the sparse
+#: ones over their own keys). On the 2-core CPU machine at the default model's shape (9 / 3 heads,
+#: head dim 64, 6 sparse heads, streaming sink 64 / window 256; ``tools/cpu_routed_decode_timing.py``,
+#: ``results/bench/issue10-s15/cpu_routed_decode.json``): batch 1 at 1,441 keys (6,726 pairs)
+#: 0.21 ms against 0.32 for the two calls (dense 0.13); the two calls slightly ahead at 4,097 keys
+#: (22,662 pairs: 0.44 against 0.41) and at batch 4 and 1,441 keys (26,904: 0.58 against 0.56),
+#: clearly beyond (batch 1 at 8,193 keys: 0.85 against 0.55).
+MASKED_DECODE_PAIRS = 16_384
 
 
 def gather_keys(
@@ -87,6 +100,25 @@ def gather_keys(
         a, z = runs[0]
         return k[:, :, a:z], v[:, :, a:z]
     return torch.cat([k[:, :, a:z] for a, z in runs], 2), torch.cat([v[:, :, a:z] for a, z in runs], 2)
+
+
+def decode_key_bias(layout: BlockLayout, kv_capacity: int, dtype: torch.dtype) -> tuple[torch.Tensor, int] | None:
+    """The additive mask (0 kept, ``-inf`` dropped; ``layout``'s heads, (B or 1, H, 1,
+    ``kv_capacity``) in ``dtype``) of a host-dense decode step's one row (its query at the last
+    position: every key causal, no key padding) under ``layout``'s blocks, and the most keys one
+    of its heads drops. ``None`` when the layout has a token mask or more than one row, or when a
+    head's row keeps no key (a softmax over nothing: the other paths give such a row zeros)."""
+    blocks = layout.blocks
+    if layout.token_mask is not None or blocks.shape[2] != 1:
+        return None
+    keep = blocks[:, :, :, : -(-kv_capacity // layout.block_size)]
+    kept_blocks = keep.sum(-1)
+    if not bool(kept_blocks.all()):
+        return None
+    bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+    bias = bias.repeat_interleave(layout.block_size, dim=-1)[..., :kv_capacity]
+    dropped = kv_capacity - int(kept_blocks.min()) * layout.block_size
+    return bias, max(dropped, 0)
 
 
 class MaskBuffer:

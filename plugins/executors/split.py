@@ -31,7 +31,11 @@ length), and the other layouts take ``decode_sparse``: under ``auto`` (the defau
 decode kernel on CUDA (:mod:`elasticfw.kernels.decode_attention`; a routed layer's step is one
 launch over both layouts' heads, without reading the device), elsewhere ``gathered``: the query
 row is never padded to a 128-row FlexAttention tile, and only the key blocks it reads (a
-streaming head's sink and window) are gathered.
+streaming head's sink and window) are gathered. A routed step there whose sparse layout has no
+token mask is one SDPA call over every head and key, the sparse heads' other keys masked by an
+additive mask built once per step's layout (:func:`~elasticfw_plugins.executors.gathered.decode_key_bias`),
+while that call attends at most ``gathered.MASKED_DECODE_PAIRS`` pairs the layout drops: at short
+contexts two calls' fixed costs outweigh the keys the second one skips.
 
 Routed layers (:meth:`attend_routed`): when exactly one of the two layouts is dense causal, the
 call is a plain prefill or such a decode step, no log-sum-exp is asked for, every sample of the
@@ -74,8 +78,9 @@ from elasticfw.attention.mode import AttentionOutput, routed_layout
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError, UnsupportedInputError
 from elasticfw.kernels import triton_unavailable
+from elasticfw_plugins.executors import gathered as gathered_module
 from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
-from elasticfw_plugins.executors.gathered import MaskBuffer, gathered_attention
+from elasticfw_plugins.executors.gathered import MaskBuffer, decode_key_bias, gathered_attention
 
 DenseBackend = Literal["auto", "cudnn", "flash", "efficient", "math", "flash_attn"]
 
@@ -215,6 +220,9 @@ class SplitExecutor(Executor):
         #: (id of a routing tensor, its version, retrieval layout dense, Hq, Hkv) -> (the tensor,
         #: :meth:`split_heads`' answer): one decision per routing, not per layer and step
         self._split_memo: OrderedDict[tuple, tuple[torch.Tensor, tuple[list[int], list[int]] | None]] = OrderedDict()
+        #: (id of a reusable layout, key capacity, dtype) -> (the layout, :func:`decode_key_bias`):
+        #: a decode step's layout is shared by every layer, so its mask is built once per step
+        self._bias_cache: OrderedDict[tuple, tuple[BlockLayout, tuple[torch.Tensor, int] | None]] = OrderedDict()
 
     def _head_index(self, heads: list[int], device: torch.device) -> torch.Tensor:
         """``heads`` as an int64 tensor on ``device``, kept for the next layer or forward with the
@@ -316,8 +324,8 @@ class SplitExecutor(Executor):
         dense_heads = self.split_heads(q, k, seq, hard, layouts, need_lse, hard_host=hard_host)
         if dense_heads is None:
             return super().attend_routed(q, k, v, seq, hard=hard, layouts=layouts, scale=scale, need_lse=need_lse)
-        for layout in layouts:
-            self.check_inputs(q, k, v, seq, layout, scale=scale)
+        self.check_inputs(q, k, v, seq, lay_r, scale=scale)  # q, k, v, the scale and one layout
+        check_layout(lay_s, q, k, seq, context=f"executor {self.name!r}")  # the other layout
         dense_q, dense_kv = dense_heads
         sparse_layout, sparse_heads = (lay_s, hard) if lay_r.dense_causal else (lay_r, ~hard)
         hq = q.shape[1]
@@ -326,6 +334,10 @@ class SplitExecutor(Executor):
             return self.sparse(q, k, v, sparse_layout, seq, scale=scale, need_lse=False)
         if len(dense_q) == hq:
             return AttentionOutput(self.dense(q, k, v, scale=scale, causal=causal), None)
+        if not causal and self.sparse_path(q.device, seq) == "gathered":
+            masked = self._masked_decode(q, k, v, seq, sparse_layout, sparse_heads, hq - len(dense_q), scale)
+            if masked is not None:
+                return AttentionOutput(masked, None)
         out_d = self.dense(
             self._take_heads(q, dense_q), self._take_heads(k, dense_kv), self._take_heads(v, dense_kv), scale=scale,
             causal=causal,
@@ -348,6 +360,32 @@ class SplitExecutor(Executor):
             return AttentionOutput(out_s.index_copy(1, index, out_d.to(out_s.dtype)), None)
         # inference: write only the dense heads' rows into the sparse launch's output
         return AttentionOutput(out_s.index_copy_(1, index, out_d.to(out_s.dtype)), None)
+
+    def _masked_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SeqInfo, layout: BlockLayout,
+        sparse_heads: torch.Tensor, n_sparse: int, scale: float,
+    ) -> torch.Tensor | None:
+        """A routed host-dense decode step as one SDPA call over every head and key: the sparse
+        heads' keys outside ``layout`` masked (:func:`decode_key_bias`), the dense heads' none.
+        ``None`` (two calls instead) when the layout has no such mask or the call would attend more
+        than :data:`~elasticfw_plugins.executors.gathered.MASKED_DECODE_PAIRS` dropped pairs."""
+        key = (id(layout), seq.kv_capacity, q.dtype)
+        hit = self._bias_cache.get(key) if layout.reusable else None
+        if hit is not None and hit[0] is layout:
+            entry = hit[1]
+        else:
+            entry = decode_key_bias(layout, seq.kv_capacity, q.dtype)
+            if layout.reusable:
+                self._bias_cache[key] = (layout, entry)
+                while len(self._bias_cache) > INDEX_CACHE_SIZE:
+                    self._bias_cache.popitem(last=False)
+        if entry is None or q.shape[0] * n_sparse * entry[1] > gathered_module.MASKED_DECODE_PAIRS:
+            return None
+        bias, hq = entry[0], q.shape[1]
+        if bias.shape[1] not in (1, hq):  # one layout per KV head: its query heads share it
+            bias = bias.repeat_interleave(hq // bias.shape[1], dim=1)
+        mask = torch.where(sparse_heads[:, :, None, None], bias, 0.0)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
     def split_heads(
         self,
