@@ -183,8 +183,9 @@ class AttentionMode(ABC):
         (:func:`~elasticfw.attention.layout.causal_layout`); the runtime builds that layout once per
         :meth:`SeqInfo.host_signature` for every layer of a forward, and a routed layer whose two
         modes are both dense runs as one dense call. Examples: MoBA when ``top_k`` covers every key
-        block, streaming when sink and window cover every key. A side branch is not part of the
-        layout: it is still merged where the mode has one."""
+        block, streaming when sink and window cover every key, XAttention and MoBA at a decode step
+        (``q_len`` 1) under ``decode: full`` (they prune the prefill only, as upstream). A side
+        branch is not part of the layout: it is still merged where the mode has one."""
         return False
 
     def side_branch(
