@@ -33,8 +33,9 @@ def test_gpu_32k_moba_token_layer_matches_flexattention():  # the kernel's 128-k
     assert layout.row_selection is not None
 
 
-def test_gpu_32k_moba_token_layer_gathered_matches_flexattention():  # upstream MoBA's query gathering
-    layout = _compare("moba", {}, 32768)  # the default strategy
+@pytest.mark.parametrize("merge", ["passes", "entries"])
+def test_gpu_32k_moba_token_layer_gathered_matches_flexattention(merge):  # upstream MoBA's query gathering
+    layout = _compare("moba", {}, 32768, gather_merge=merge)  # the default strategy
     assert layout.row_selection is not None
 
 

@@ -29,10 +29,15 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("merge", ["passes", "entries"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_gathered_attention_matches_the_definition(name):
+def test_gathered_attention_matches_the_definition(name, merge):
     from elasticfw.kernels.block_sparse_attention import Tiles
-    from elasticfw.kernels.gather_attention import gather_plan, gathered_selection_attention
+    from elasticfw.kernels.gather_attention import (
+        gather_entry_plan,
+        gather_plan,
+        gathered_selection_attention,
+    )
 
     make, hq, hkv, hs, dim, dtype, groups, gsize, density, bm = CASES[name]
     seq = make()
@@ -42,7 +47,8 @@ def test_gathered_attention_matches_the_definition(name):
     v = torch.randn(seq.batch, hkv, seq.kv_capacity, dim, generator=g).to(dtype)
     selected = torch.rand(seq.batch, hs, seq.q_len, groups, generator=g) < density  # future groups too
     tiles = Tiles(block_m=bm, block_n=16, num_warps=4, num_stages=2)
-    out, lse = gathered_selection_attention(q, k, v, RowSelection(selected, gsize), seq, scale=dim**-0.5, tiles=tiles)
+    out, lse = gathered_selection_attention(q, k, v, RowSelection(selected, gsize), seq, scale=dim**-0.5, tiles=tiles,
+                                            merge=merge)
     ref_out, ref_lse = _brute(q, k, v, selected, gsize, seq, dim**-0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert out.dtype == dtype and lse.dtype == torch.float32
@@ -51,8 +57,13 @@ def test_gathered_attention_matches_the_definition(name):
     assert torch.equal(torch.isfinite(lse), finite)
     torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-5, atol=1e-4)
     assert (out[~finite] == 0).all()
-    plan = gather_plan(RowSelection(selected, gsize), seq.batch, bm)
-    assert len(plan.pass_bounds) - 1 == int(selected.sum(-1).max())  # one pass per rank
+    if merge == "passes":
+        plan = gather_plan(RowSelection(selected, gsize), seq.batch, bm)
+        assert len(plan.pass_bounds) - 1 == int(selected.sum(-1).max())  # one pass per rank
+    else:
+        plan = gather_entry_plan(RowSelection(selected, gsize), seq.batch, bm)
+        assert plan.max_entries == int(selected.sum(-1).max())
+        assert sorted(plan.slots.tolist()) == list(range(int(selected.sum())))  # every entry once
     assert int(plan.tile_count.sum()) == int(selected.sum()) and int(plan.tile_count.max()) <= bm
 
 
@@ -101,7 +112,8 @@ def test_gather_plan_matches_its_definition(shape, batch, block_m, density):
     assert plan.tile_g.tolist() == [t[4] for t in tiles] and plan.pass_bounds == bounds
 
 
-def test_keep_heads_and_unsupported_selections():
+@pytest.mark.parametrize("merge", ["passes", "entries"])
+def test_keep_heads_and_unsupported_selections(merge):
     from elasticfw.kernels.gather_attention import gathered_selection_attention, unsupported_selection
 
     seq = _seq([0, 10], [140, 130], 120, 140)
@@ -111,7 +123,8 @@ def test_keep_heads_and_unsupported_selections():
     v = torch.randn(2, 2, 140, 16, generator=g)
     shared = torch.rand(1, 1, 120, 5, generator=g) < 0.5
     keep = torch.tensor([[True, False, True, False]])
-    out, lse = gathered_selection_attention(q, k, v, RowSelection(shared, 32), seq, scale=0.25, keep_heads=keep)
+    out, lse = gathered_selection_attention(q, k, v, RowSelection(shared, 32), seq, scale=0.25, keep_heads=keep,
+                                            merge=merge)
     ref_out, _ = _brute(q, k, v, shared, 32, seq, 0.25)
     torch.testing.assert_close(out[:, [0, 2]].double(), ref_out[:, [0, 2]], rtol=1e-5, atol=1e-5)
     assert (out[:, [1, 3]] == 0).all() and torch.isinf(lse[:, [1, 3]]).all()
@@ -119,10 +132,13 @@ def test_keep_heads_and_unsupported_selections():
     assert "window" in unsupported_selection(RowSelection(shared, 32, window=8))
     with pytest.raises(BackendUnavailableError, match="window"):
         gathered_selection_attention(q, k, v, RowSelection(shared, 32, window=8), seq, scale=0.25)
+    with pytest.raises(ValueError, match="merge must be"):
+        gathered_selection_attention(q, k, v, RowSelection(shared, 32), seq, scale=0.25, merge="ranks")
 
 
+@pytest.mark.parametrize("merge", ["passes", "entries"])
 @pytest.mark.parametrize("case", ["prefill", "padded", "decode"])
-def test_flex_executor_gathers_moba_token_layouts(case, monkeypatch):
+def test_flex_executor_gathers_moba_token_layouts(case, merge, monkeypatch):
     from elasticfw.testing.modes import reference_executor
     from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
 
@@ -132,15 +148,17 @@ def test_flex_executor_gathers_moba_token_layouts(case, monkeypatch):
     import elasticfw.kernels.decode_attention as dec
     import elasticfw.kernels.gather_attention as ga
 
-    calls = []
+    calls, merges = [], []
     real, real_dec = ga.gathered_selection_attention, dec.decode_attention
-    monkeypatch.setattr(ga, "gathered_selection_attention", lambda *a, **kw: calls.append("gather") or real(*a, **kw))
+    monkeypatch.setattr(ga, "gathered_selection_attention",
+                        lambda *a, **kw: calls.append("gather") or merges.append(kw["merge"]) or real(*a, **kw))
     monkeypatch.setattr(dec, "decode_attention", lambda *a, **kw: calls.append("decode") or real_dec(*a, **kw))
-    ex = FlexExecutor(FlexConfig(sparse_kernel="triton"))  # gather: the default strategy
+    ex = FlexExecutor(FlexConfig(sparse_kernel="triton", gather_merge=merge))  # gather: the default strategy
     with torch.no_grad():
         got = ex.attend(q, k, v, layout, seq, scale=0.25)
         ref = reference_executor().attend(q, k, v, layout, seq, scale=0.25)
     assert calls == ["decode" if case == "decode" else "gather"]  # a decode step takes the decode kernel
+    assert merges == ([] if case == "decode" else [merge])
     rows = seq.query_valid()[:, None, :].expand_as(ref.lse)
     torch.testing.assert_close(got.out[rows], ref.out[rows], rtol=1e-5, atol=1e-5)
     finite = torch.isfinite(ref.lse) & rows

@@ -39,7 +39,9 @@ Before them ``--steps gpu-tests`` runs the GPU tests of the kernels (``pytest -m
    to 128, each through FlexAttention (``sparse_kernel=flex``); per-token MoBA through the
    Triton block-sparse kernel with 64-row tiles (``sparse_kernel_tiles``); and NSA with
    ``score_keys: float32`` (the float32 compressed keys as two 16-bit terms; the default, ``input``,
-   is one term) through ``split``, its planning beside the default's.
+   is one term) through ``split``, its planning beside the default's; and per-token MoBA gathered
+   with ``gather_merge: entries`` (one launch over every entry, then one merge; checked against the
+   reference at 4K first) beside the default's per-rank passes.
 
 7. ``variants/kernel_timing.json`` (only with ``--steps kernels``): ``tools/sparse_kernel_timing.py
    --profile --triton-work-lists``, per mode the Triton kernels' work lists (torch, and the
@@ -154,6 +156,8 @@ def gpu(args: argparse.Namespace) -> int:
          "kernel_options={BLOCK_M: 64, BLOCK_N: 64}", "--out", str(out / "variants" / "tiles64_128k.json")],
         [*variant, "--executors", "flex", "--modes", "moba", "--flex-set", "sparse_kernel_tiles=[64,128,4,3]",
          "--out", str(out / "variants" / "moba_triton_tiles64_128k.json")],
+        [*base, "--check-seq", "4096", "--executors", "flex", "--modes", "moba", "--flex-set", "gather_merge=entries",
+         "--out", str(out / "variants" / "moba_gather_entries_128k.json")],
         [*base, "--check-seq", "4096", "--executors", "split", "--modes", "nsa", "--set", "nsa.score_keys=float32",
          "--out", str(out / "variants" / "nsa_score_keys_float32_128k.json")],
     ]

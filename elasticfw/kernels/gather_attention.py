@@ -25,9 +25,18 @@ chose it):
   which holds every row's first group, writes its partial without reading). Within one
   pass a row appears at most once, so the merge needs no atomics.
 
+* **Entries** (``merge="entries"``, :func:`gather_entry_plan`): the same tiles without the rank
+  split, one launch over all of them; each row's partial output (normalised, in the inputs'
+  dtype, as upstream MoBA keeps its per-block outputs) and its lse go to the entry's *slot*, its
+  place in row-major order, so that a row's slots are consecutive; a second launch merges each
+  row's slots by log-sum-exp in float32 (at most the largest number of groups a row selects).
+  At top-k 8 in bfloat16 that writes and reads 2 bytes per entry, head and dimension where the
+  passes read and write 4 + 4 per rank (about 18 GB against 35 GB at 128K for 32 heads of 128);
+  not yet timed on a GPU, so ``passes`` stays the default (``flex.gather_merge``).
+
 The work is exactly the selected pairs (plus the masked part of each row's current group), at
 the cost of gathering the query rows and of one float32 accumulator read and write per selected
-group and row. Forward only. Memory beyond the inputs and the output: the accumulator (``4 * B *
+group and row (``passes``) or one partial write and read in the inputs' dtype (``entries``). Forward only. Memory beyond the inputs and the output: the accumulator (``4 * B *
 Hq * Sq * (D + 1)`` bytes: 2.2 GB at 128K tokens for 32 heads of 128) and the entries (``~24``
 bytes each: 0.2 GB for 8.4M at 128K).
 """
@@ -35,6 +44,7 @@ bytes each: 0.2 GB for 8.4M at 128K).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import triton
@@ -52,7 +62,8 @@ from elasticfw.kernels.block_sparse_attention import (
     load_rows,
 )
 
-__all__ = ["GatherPlan", "gather_plan", "gathered_selection_attention", "unsupported_selection"]
+__all__ = ["EntryPlan", "GatherPlan", "gather_entry_plan", "gather_plan", "gathered_selection_attention",
+           "unsupported_selection"]
 
 #: tiles of the gathered rows: 128 rows, 128-key chunks, as the block-sparse kernel's defaults
 DEFAULT_TILES = Tiles(block_m=128, block_n=128, num_warps=8, num_stages=3)
@@ -108,17 +119,68 @@ def gather_plan(selection: RowSelection, batch: int, block_m: int) -> GatherPlan
     key = ((rank * (batch * heads) + bh) * groups + g) * q_len + (row_id - bh * q_len)
     key = key.sort().values
     segment = key // q_len  # (rank, b, h, g)
-    new_segment = torch.ones(n, dtype=torch.bool, device=device)
-    new_segment[1:] = segment[1:] != segment[:-1]
-    new_tile = new_segment | ((index - _first_of_runs(segment, index, new_segment)) % block_m == 0)
-    starts = new_tile.nonzero().squeeze(1)
-    counts = torch.diff(starts, append=torch.tensor([n], device=device))
+    starts, counts = _segment_tiles(segment, index, block_m)
     tile_segment = segment[starts]
     tile_rank, tile_bh = tile_segment // (batch * heads * groups), tile_segment // groups % (batch * heads)
     ranks = int(tile_rank[-1].item()) + 1
     bounds = torch.searchsorted(tile_rank, torch.arange(ranks + 1, device=device)).tolist()
     return GatherPlan(_int32(key - segment * q_len), _int32(starts), _int32(counts), _int32(tile_bh // heads),
                       _int32(tile_bh % heads), _int32(tile_segment % groups), [int(x) for x in bounds])
+
+
+@dataclass(frozen=True)
+class EntryPlan:
+    """The entries of one launch over every rank: tiles of one (sample, table head, group) and up
+    to ``block_m`` rows, each entry's slot (its place in row-major order, where a row's entries are
+    consecutive) and each table row's first slot (``row_ptr``, one more than the rows)."""
+
+    rows: torch.Tensor  # (E,) int32 query row of each entry, in tile order
+    slots: torch.Tensor  # (E,) int32 the entry's place in row-major order
+    tile_start: torch.Tensor  # (T,) int32
+    tile_count: torch.Tensor  # (T,) int32
+    tile_b: torch.Tensor  # (T,) int32
+    tile_h: torch.Tensor  # (T,) int32 table head
+    tile_g: torch.Tensor  # (T,) int32 key group
+    row_ptr: torch.Tensor  # (B * H * Sq + 1,) int32
+    max_entries: int  # the most entries of one row
+
+
+def gather_entry_plan(selection: RowSelection, batch: int, block_m: int) -> EntryPlan:
+    """:func:`gather_plan` without the ranks, for ``merge="entries"``: the entries sorted by (sample,
+    table head, group, row) through one sort of int64 keys, whose permutation is each entry's slot."""
+    sel = selection.selected
+    if sel.shape[0] != batch:
+        sel = sel.expand(batch, *sel.shape[1:])
+    _, heads, q_len, groups = sel.shape
+    device = sel.device
+    per_row = sel.sum(-1, dtype=torch.int32).reshape(-1)
+    row_ptr = torch.zeros(per_row.numel() + 1, dtype=torch.int64, device=device)
+    torch.cumsum(per_row, 0, out=row_ptr[1:])
+    flat = sel.reshape(-1).nonzero().squeeze(1)  # ascending: row-major, a row's entries consecutive
+    n = flat.numel()
+    if n == 0:
+        empty = torch.zeros(0, dtype=torch.int32, device=device)
+        return EntryPlan(empty, empty, empty, empty, empty, empty, empty, _int32(row_ptr), 0)
+    row_id = flat // groups  # (b * H + h) * Sq + row
+    bh = row_id // q_len
+    key = (bh * groups + (flat - row_id * groups)) * q_len + (row_id - bh * q_len)
+    key, order = key.sort()
+    segment = key // q_len  # (b, h, g)
+    starts, counts = _segment_tiles(segment, torch.arange(n, device=device), block_m)
+    tile_segment = segment[starts]
+    tile_bh = tile_segment // groups
+    return EntryPlan(_int32(key - segment * q_len), _int32(order), _int32(starts), _int32(counts),
+                     _int32(tile_bh // heads), _int32(tile_bh % heads), _int32(tile_segment % groups),
+                     _int32(row_ptr), int(per_row.max().item()))
+
+
+def _segment_tiles(segment: torch.Tensor, index: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first entry, entries) of each tile: runs of equal ``segment`` (sorted) cut every ``block_m``."""
+    new_segment = torch.ones(segment.numel(), dtype=torch.bool, device=segment.device)
+    new_segment[1:] = segment[1:] != segment[:-1]
+    new_tile = new_segment | ((index - _first_of_runs(segment, index, new_segment)) % block_m == 0)
+    starts = new_tile.nonzero().squeeze(1)
+    return starts, torch.diff(starts, append=torch.tensor([segment.numel()], device=segment.device))
 
 
 def _first_of_runs(values: torch.Tensor, index: torch.Tensor, new_run: torch.Tensor | None = None) -> torch.Tensor:
@@ -135,20 +197,21 @@ def _int32(t: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _gather_pass_kernel(
-    q_ptr, k_ptr, v_ptr, rows_ptr, start_ptr, count_ptr, tb_ptr, th_ptr, tg_ptr, keep_ptr,
-    q_start_ptr, kv_len_ptr, acc_ptr, lse_ptr, k_desc, v_desc,
+def _tile_partial(
+    t, head_in_table, q_ptr, k_ptr, v_ptr, rows_ptr, start_ptr, count_ptr, tb_ptr, th_ptr, tg_ptr, keep_ptr,
+    q_start_ptr, kv_len_ptr, k_desc, v_desc,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     k_rows_b, k_rows_h, k_cols_h, v_rows_b, v_rows_h, v_cols_h,
-    stride_eb, stride_eh,
-    tile0, q_len, num_q_heads, group_size, kv_group, sel_group, qk_scale,
+    stride_eb, stride_eh, group_size, kv_group, sel_group, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, FIRST: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
-    t = tile0 + tl.program_id(0)
-    h = tl.load(th_ptr + t) * sel_group + tl.program_id(1)  # the query head
+    """Tile ``t``'s rows (for query head ``head_in_table`` of its table head) attended over its key
+    group: ``(b, h, first, i, row_ok, part, part_lse, seen)``, ``part`` the normalised partial
+    output (float32) and ``part_lse`` its natural-log log-sum-exp (``-inf`` where a row saw no key)."""
+    h = tl.load(th_ptr + t) * sel_group + head_in_table  # the query head
     b = tl.load(tb_ptr + t)
     grp = tl.load(tg_ptr + t)
     first = tl.load(start_ptr + t)
@@ -198,28 +261,104 @@ def _gather_pass_kernel(
         kt = load_rows(k_base, tl.minimum(kpos, stop - 1), stride_ks, stride_kd, d, d_ok, EVEN_D)
         vt = load_rows(v_base, tl.minimum(kpos, stop - 1), stride_vs, stride_vd, d, d_ok, EVEN_D)
         acc, m_i, l_i = attend_chunk(acc, m_i, l_i, qv, kt, vt, ok, qk_scale, MASKED=True, IEEE=IEEE, UPCAST=UPCAST)
-    # merge (acc / l_i, this partial's lse) into the rows' accumulators by log-sum-exp
     seen = l_i > 0
     part_lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     part = acc / tl.where(seen, l_i, 1.0)[:, None]
-    row_off = (b * num_q_heads + h).to(tl.int64) * q_len + i.to(tl.int64)
-    upd = row_ok & seen
-    acc_rows = acc_ptr + row_off[:, None] * HEAD_DIM + d[None, :]
-    if FIRST:  # rank 0: no earlier partial (the accumulators hold 0 and -inf), the merge is the partial
-        tl.store(acc_rows, part, mask=upd[:, None] & d_ok[None, :])
-        tl.store(lse_ptr + row_off, part_lse, mask=upd)
+    return b, h, first, i, row_ok, part, part_lse, seen
+
+
+@triton.jit
+def _lse_merge(acc, lse, part, part_lse):
+    """Two normalised partial results and their natural-log lse merged by log-sum-exp: (merged, lse);
+    a side at ``-inf`` adds nothing, both at ``-inf`` give 0 and ``-inf``."""
+    top = tl.maximum(lse, part_lse)
+    base = tl.where(top == float("-inf"), 0.0, top)
+    w_old = tl.exp(lse - base)
+    w_new = tl.exp(part_lse - base)
+    total = w_old + w_new
+    safe = tl.where(total > 0, total, 1.0)
+    merged = (acc * w_old[:, None] + part * w_new[:, None]) / safe[:, None]
+    return merged, tl.where(total > 0, base + tl.log(safe), float("-inf"))
+
+
+@triton.jit
+def _gather_kernel(
+    q_ptr, k_ptr, v_ptr, rows_ptr, start_ptr, count_ptr, tb_ptr, th_ptr, tg_ptr, keep_ptr,
+    q_start_ptr, kv_len_ptr, slot_ptr, acc_ptr, lse_ptr, k_desc, v_desc,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    k_rows_b, k_rows_h, k_cols_h, v_rows_b, v_rows_h, v_cols_h,
+    stride_eb, stride_eh,
+    tile0, q_len, num_q_heads, group_size, kv_group, sel_group, qk_scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, FIRST: tl.constexpr, ENTRIES: tl.constexpr,
+):
+    """Tiles ``tile0 + pid(0)`` for query head ``pid(1)`` of their table head: ``ENTRIES``, each row's
+    partial and lse into its entry's slot (``acc_ptr``, ``lse_ptr`` the entry buffers); else merged
+    into the rows' float32 accumulators by log-sum-exp (a rank's pass; ``FIRST``: rank 0, no read)."""
+    b, h, first, i, row_ok, part, part_lse, seen = _tile_partial(
+        tile0 + tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr, rows_ptr, start_ptr, count_ptr, tb_ptr,
+        th_ptr, tg_ptr, keep_ptr, q_start_ptr, kv_len_ptr, k_desc, v_desc,
+        stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
+        stride_vb, stride_vh, stride_vs, stride_vd, k_rows_b, k_rows_h, k_cols_h, v_rows_b, v_rows_h, v_cols_h,
+        stride_eb, stride_eh, group_size, kv_group, sel_group, qk_scale,
+        HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, IEEE, UPCAST, TMA,
+    )
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    if ENTRIES:  # the entry's place in row-major order, per query head of the table head
+        m = tl.arange(0, BLOCK_M)
+        slot = tl.load(slot_ptr + first + m, mask=row_ok, other=0).to(tl.int64) * sel_group + tl.program_id(1)
+        tl.store(acc_ptr + slot[:, None] * HEAD_DIM + d[None, :], part.to(acc_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(lse_ptr + slot, part_lse, mask=row_ok)
     else:
-        old_lse = tl.load(lse_ptr + row_off, mask=upd, other=float("-inf"))
-        new_lse = tl.maximum(old_lse, part_lse)
-        base = tl.where(new_lse == float("-inf"), 0.0, new_lse)
-        w_old = tl.exp(old_lse - base)
-        w_new = tl.exp(part_lse - base)
-        total = w_old + w_new
-        new_lse = base + tl.log(tl.where(total > 0, total, 1.0))
-        old = tl.load(acc_rows, mask=upd[:, None] & d_ok[None, :], other=0.0)
-        merged = (old * w_old[:, None] + part * w_new[:, None]) / tl.where(total > 0, total, 1.0)[:, None]
-        tl.store(acc_rows, merged, mask=upd[:, None] & d_ok[None, :])
-        tl.store(lse_ptr + row_off, new_lse, mask=upd)
+        row_off = (b * num_q_heads + h).to(tl.int64) * q_len + i.to(tl.int64)
+        upd = row_ok & seen
+        acc_rows = acc_ptr + row_off[:, None] * HEAD_DIM + d[None, :]
+        if FIRST:  # rank 0: no earlier partial (the accumulators hold 0 and -inf), the merge is the partial
+            tl.store(acc_rows, part, mask=upd[:, None] & d_ok[None, :])
+            tl.store(lse_ptr + row_off, part_lse, mask=upd)
+        else:
+            old_lse = tl.load(lse_ptr + row_off, mask=upd, other=float("-inf"))
+            old = tl.load(acc_rows, mask=upd[:, None] & d_ok[None, :], other=0.0)
+            merged, new_lse = _lse_merge(old, old_lse, part, part_lse)
+            tl.store(acc_rows, merged, mask=upd[:, None] & d_ok[None, :])
+            tl.store(lse_ptr + row_off, new_lse, mask=upd)
+
+
+@triton.jit
+def _merge_entries_kernel(
+    part_ptr, part_lse_ptr, row_ptr, keep_ptr, out_ptr, lse_ptr,
+    stride_eb, stride_eh, q_len, num_q_heads, table_heads, sel_group,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, MAX_ENTRIES: tl.constexpr,
+):
+    """Rows [pid(0) * BLOCK_R, ...) of query head pid(1) of sample pid(2): their entries' partials
+    (at most MAX_ENTRIES each, consecutive slots) merged by log-sum-exp in float32."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    r_ok = r < q_len
+    kept = tl.load(keep_ptr + b.to(tl.int64) * stride_eb + h.to(tl.int64) * stride_eh) != 0
+    table_row = ((b * table_heads + h // sel_group).to(tl.int64)) * q_len + r
+    lo = tl.load(row_ptr + table_row, mask=r_ok, other=0)
+    hi = tl.load(row_ptr + table_row + 1, mask=r_ok, other=0)
+    hi = tl.where(kept, hi, lo)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    run_lse = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    acc = tl.zeros((BLOCK_R, D_PAD), tl.float32)
+    for e in range(MAX_ENTRIES):
+        has = r_ok & (lo + e < hi)
+        slot = (lo + e).to(tl.int64) * sel_group + h % sel_group
+        p_lse = tl.load(part_lse_ptr + slot, mask=has, other=float("-inf"))
+        p = tl.load(part_ptr + slot[:, None] * HEAD_DIM + d[None, :], mask=has[:, None] & d_ok[None, :], other=0.0)
+        acc, run_lse = _lse_merge(acc, run_lse, p.to(tl.float32), p_lse)
+    row_off = (b * num_q_heads + h).to(tl.int64) * q_len + r
+    tl.store(out_ptr + row_off[:, None] * HEAD_DIM + d[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & d_ok[None, :])
+    tl.store(lse_ptr + row_off, run_lse, mask=r_ok)
 
 
 def gathered_selection_attention(
@@ -232,15 +371,22 @@ def gathered_selection_attention(
     scale: float,
     keep_heads: torch.Tensor | None = None,
     tiles: Tiles = DEFAULT_TILES,
+    merge: Literal["passes", "entries"] = "passes",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32) of attention under ``selection``,
     what :func:`~elasticfw.kernels.block_sparse_attention.row_selection_attention` computes, by query
-    gathering (module docstring). Raises :class:`~elasticfw.errors.BackendUnavailableError` where
-    the kernel cannot run or :func:`unsupported_selection` gives a reason."""
+    gathering (module docstring; ``merge`` chooses between one launch per rank merging into float32
+    accumulators and one launch over every entry followed by a merge). Raises
+    :class:`~elasticfw.errors.BackendUnavailableError` where the kernel cannot run or
+    :func:`unsupported_selection` gives a reason."""
     reason = unsupported_selection(selection)
     if reason is not None:
         raise BackendUnavailableError(f"Triton gathered_selection_attention: {reason}")
+    if merge not in ("passes", "entries"):
+        raise ValueError(f"gathered_selection_attention: merge must be 'passes' or 'entries', got {merge!r}")
     keep = check_inputs(q, k, v, selection, seq, keep_heads, "gathered_selection_attention")
+    if merge == "entries":
+        return _entries_attention(q, k, v, selection, seq, keep, scale=scale, tiles=tiles)
     batch, hq, q_len, dim = q.shape
     sel = selection.selected
     acc = torch.zeros(batch, hq, q_len, dim, dtype=torch.float32, device=q.device)
@@ -255,13 +401,55 @@ def gathered_selection_attention(
         lo, hi = plan.pass_bounds[r], plan.pass_bounds[r + 1]
         if hi == lo:
             continue
-        _gather_pass_kernel[(hi - lo, heads_per_table)](
+        _gather_kernel[(hi - lo, heads_per_table)](
             q, k, v, plan.rows, plan.tile_start, plan.tile_count, plan.tile_b, plan.tile_h, plan.tile_g, keep,
-            seq.q_start.contiguous(), seq.kv_len.contiguous(), acc, lse, k_desc, v_desc,
+            seq.q_start.contiguous(), seq.kv_len.contiguous(), plan.rows, acc, lse, k_desc, v_desc,
             *q.stride(), *k.stride(), *v.stride(), *k_rows, *v_rows, *keep.stride(),
             lo, q_len, hq, selection.group_size, hq // k.shape[1], heads_per_table, scale * _LOG2E,
             HEAD_DIM=dim, D_PAD=max(16, next_pow2(dim)), BLOCK_M=tiles.block_m, BLOCK_N=block_n,
             IEEE=q.dtype == torch.float32, UPCAST=interpreting() and q.dtype != torch.float32, TMA=tma,
-            FIRST=r == 0, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            FIRST=r == 0, ENTRIES=False, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
     return acc.to(q.dtype), lse
+
+
+#: query rows per program of the entries' merge
+MERGE_ROWS = 32
+
+
+def _entries_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: RowSelection, seq: SeqInfo, keep: torch.Tensor,
+    *, scale: float, tiles: Tiles,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``merge="entries"``: one launch attends every entry's tile and stores each row's partial
+    (normalised, in q's dtype, as upstream MoBA's per-block outputs) and its lse in the entry's
+    slot; a second launch merges each row's consecutive slots by log-sum-exp in float32."""
+    batch, hq, q_len, dim = q.shape
+    out = torch.empty(batch, hq, q_len, dim, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, hq, q_len, dtype=torch.float32, device=q.device)
+    if batch * hq * q_len == 0:
+        return out, lse
+    plan = gather_entry_plan(selection, batch, tiles.block_m)
+    heads_per_table = hq // selection.selected.shape[1]
+    entries = plan.slots.numel()
+    part = torch.empty(entries * heads_per_table, dim, dtype=q.dtype, device=q.device)
+    part_lse = torch.empty(entries * heads_per_table, dtype=torch.float32, device=q.device)
+    d_pad = max(16, next_pow2(dim))
+    if plan.tile_start.numel():
+        block_n = min(tiles.block_n, max(16, next_pow2(selection.group_size)))
+        tma, k_desc, v_desc, k_rows, v_rows = kv_descriptors(k, v, block_n)
+        _gather_kernel[(plan.tile_start.numel(), heads_per_table)](
+            q, k, v, plan.rows, plan.tile_start, plan.tile_count, plan.tile_b, plan.tile_h, plan.tile_g, keep,
+            seq.q_start.contiguous(), seq.kv_len.contiguous(), plan.slots, part, part_lse, k_desc, v_desc,
+            *q.stride(), *k.stride(), *v.stride(), *k_rows, *v_rows, *keep.stride(),
+            0, q_len, hq, selection.group_size, hq // k.shape[1], heads_per_table, scale * _LOG2E,
+            HEAD_DIM=dim, D_PAD=d_pad, BLOCK_M=tiles.block_m, BLOCK_N=block_n,
+            IEEE=q.dtype == torch.float32, UPCAST=interpreting() and q.dtype != torch.float32, TMA=tma,
+            FIRST=False, ENTRIES=True, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )
+    _merge_entries_kernel[(triton.cdiv(q_len, MERGE_ROWS), hq, batch)](
+        part, part_lse, plan.row_ptr, keep, out, lse, *keep.stride(), q_len, hq, selection.selected.shape[1],
+        heads_per_table, HEAD_DIM=dim, D_PAD=d_pad, BLOCK_R=MERGE_ROWS, MAX_ENTRIES=max(1, plan.max_entries),
+        num_warps=4,
+    )
+    return out, lse

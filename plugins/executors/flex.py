@@ -123,6 +123,14 @@ class FlexConfig(ExecutorConfig):
         "an H200) or `tiles` (the block-sparse kernel: each 128-row tile over the union of its rows' "
         "selections). Selections with a window (NSA) and block layouts always take the block-sparse kernel.",
     )
+    gather_merge: Literal["passes", "entries"] = Field(
+        "passes",
+        description="How `gather` merges a row's key groups: `passes` (one launch per rank of the row's "
+        "groups, each merging its partial into float32 accumulators: 4 + 4 bytes per row, head and dimension "
+        "read and written per rank) or `entries` (one launch over every entry storing its partial in the "
+        "inputs' dtype, as upstream MoBA's per-block outputs, then one merge per row in float32: about half "
+        "the memory traffic at top-k 8; not yet timed on a GPU).",
+    )
     sparse_kernel_tiles: tuple[int, int, int, int] | None = Field(
         None,
         description="The Triton block-sparse kernel's launch configuration [BLOCK_M, BLOCK_N, num_warps, "
@@ -387,7 +395,7 @@ class FlexExecutor(Executor):
             if gather_attention.unsupported_selection(layout.row_selection) is None:
                 out, lse = gather_attention.gathered_selection_attention(
                     q, k, v, layout.row_selection, seq, scale=scale, keep_heads=keep_heads,
-                    tiles=gather_attention.DEFAULT_TILES if pinned is None else pinned,
+                    tiles=gather_attention.DEFAULT_TILES if pinned is None else pinned, merge=cfg.gather_merge,
                 )
                 return AttentionOutput(out, lse)
         selection = layout_selection(layout)
