@@ -36,9 +36,12 @@ chose it):
 
 The work is exactly the selected pairs (plus the masked part of each row's current group), at
 the cost of gathering the query rows and of one float32 accumulator read and write per selected
-group and row (``passes``) or one partial write and read in the inputs' dtype (``entries``). Forward only. Memory beyond the inputs and the output: the accumulator (``4 * B *
-Hq * Sq * (D + 1)`` bytes: 2.2 GB at 128K tokens for 32 heads of 128) and the entries (``~24``
-bytes each: 0.2 GB for 8.4M at 128K).
+group and row (``passes``) or one partial write and read in the inputs' dtype (``entries``).
+Forward only. Memory beyond the inputs and the output: ``passes``, the accumulator (``4 * B * Hq *
+Sq * (D + 1)`` bytes: 2.2 GB at 128K tokens for 32 heads of 128) and the entries (``~24`` bytes
+each: 0.2 GB for 8.4M at 128K); ``entries``, the partials instead of the accumulator (``E * Hq /
+table heads * (2 * D + 4)`` bytes in 16-bit: about 8.7 GB at 128K for 32 heads of 128 at top-k 8,
+four times the accumulator: the price of its one launch).
 """
 
 from __future__ import annotations

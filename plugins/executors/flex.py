@@ -129,7 +129,8 @@ class FlexConfig(ExecutorConfig):
         "groups, each merging its partial into float32 accumulators: 4 + 4 bytes per row, head and dimension "
         "read and written per rank) or `entries` (one launch over every entry storing its partial in the "
         "inputs' dtype, as upstream MoBA's per-block outputs, then one merge per row in float32: about half "
-        "the memory traffic at top-k 8; not yet timed on a GPU).",
+        "the memory traffic at top-k 8, about four times the passes' extra memory: 8.7 GB at 128K for 32 heads of "
+        "128; not yet timed on a GPU).",
     )
     sparse_kernel_tiles: tuple[int, int, int, int] | None = Field(
         None,
