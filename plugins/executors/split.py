@@ -186,8 +186,15 @@ def _decode_kernel_reason(
     return reason, (chosen if reason is None else [])
 
 
-#: head-index tensors a split executor keeps (one per routing pattern of its layers' dense heads)
+#: entries each of a split executor's caches keeps (head indices, per-layout and per-routing answers)
 INDEX_CACHE_SIZE = 256
+
+
+def _keep(cache: OrderedDict, key: object, value: object) -> None:
+    """Store ``value`` under ``key``, dropping the oldest entries past :data:`INDEX_CACHE_SIZE`."""
+    cache[key] = value
+    while len(cache) > INDEX_CACHE_SIZE:
+        cache.popitem(last=False)
 
 
 def _empty_like_layout(layout: BlockLayout) -> BlockLayout:
@@ -230,9 +237,8 @@ class SplitExecutor(Executor):
         key = (device, tuple(heads))
         index = self._indices.get(key)
         if index is None:
-            index = self._indices[key] = torch.tensor(heads, device=device)
-            while len(self._indices) > INDEX_CACHE_SIZE:
-                self._indices.popitem(last=False)
+            index = torch.tensor(heads, device=device)
+            _keep(self._indices, key, index)
         else:
             self._indices.move_to_end(key)
         return index
@@ -249,9 +255,7 @@ class SplitExecutor(Executor):
         if hit is not None and hit[0] is layout:
             return hit[1]
         answer = computes_every_causal_pair(layout, seq)
-        self._every_pair_cache[key] = (layout, answer)
-        while len(self._every_pair_cache) > INDEX_CACHE_SIZE:
-            self._every_pair_cache.popitem(last=False)
+        _keep(self._every_pair_cache, key, (layout, answer))
         return answer
 
     def _take_heads(self, t: torch.Tensor, heads: list[int]) -> torch.Tensor:
@@ -376,9 +380,7 @@ class SplitExecutor(Executor):
         else:
             entry = decode_key_bias(layout, seq.kv_capacity, q.dtype)
             if layout.reusable:
-                self._bias_cache[key] = (layout, entry)
-                while len(self._bias_cache) > INDEX_CACHE_SIZE:
-                    self._bias_cache.popitem(last=False)
+                _keep(self._bias_cache, key, (layout, entry))
         if entry is None or q.shape[0] * n_sparse * entry[1] > gathered_module.MASKED_DECODE_PAIRS:
             return None
         bias, hq = entry[0], q.shape[1]
@@ -430,9 +432,7 @@ class SplitExecutor(Executor):
                 dense_kv = [int(i) for i in dense.all(1).nonzero().flatten().tolist()]
                 group = hq // hkv
                 answer = [h * group + j for h in dense_kv for j in range(group)], dense_kv
-        self._split_memo[key] = (source, answer)
-        while len(self._split_memo) > INDEX_CACHE_SIZE:
-            self._split_memo.popitem(last=False)
+        _keep(self._split_memo, key, (source, answer))
         return answer
 
     # -- the two paths -------------------------------------------------------------------------
