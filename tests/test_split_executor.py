@@ -370,6 +370,46 @@ def test_a_decode_step_through_the_decode_kernel_is_one_launch(routing, monkeypa
                                       scale=0.3).out, want) < 1e-5
 
 
+@pytest.mark.skipif(split_module.triton_unavailable(torch.device("cpu")) is not None,
+                    reason="needs Triton's interpreter")
+def test_the_decode_kernel_verdict_is_asked_once_per_step_layouts_and_query_kind(monkeypatch):
+    """The decode kernel's verdict (can it run these layouts for this q?) is kept per reusable
+    layout objects and q's dtype and head shape: the layers of a step ask once; a new layout object,
+    a layout not marked reusable, or a q of another head dim asks again (head dim 272 is past the
+    kernel's 256: the pinned kernel names it instead of running on the head dim 16 verdict)."""
+    from dataclasses import replace
+
+    q, k, v, _ = make_inputs((1, 8, 4, 1, 200, 16))
+    seq = SeqInfo(torch.tensor([199]), torch.tensor([200]), 1, 200)
+    hard = _hard(ROUTINGS["first-full"], 1, 8)
+    plain = (FULL.build_layout(q, k, seq), STREAM["block"].build_layout(q, k, seq))
+    shared = tuple(replace(layout, reusable=True) for layout in plain)
+    ex = SplitExecutor(SplitConfig(decode_sparse="kernel"))
+    asked: list[int] = []
+    real = split_module._decode_kernel_reason
+
+    def counting(*args, **kw):
+        asked.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(split_module, "_decode_kernel_reason", counting)
+    want = _masked(q, k, v, seq, hard, "block", 0.3)
+    for _ in range(3):  # three layers of one step
+        got = ex.attend_routed(q, k, v, seq, hard=hard, layouts=shared, scale=0.3, need_lse=False)
+        assert rel_rms(got.out, want) < 1e-5
+    assert len(asked) == 1
+    ex.attend_routed(q, k, v, seq, hard=hard, layouts=plain, scale=0.3, need_lse=False)
+    ex.attend_routed(q, k, v, seq, hard=hard, layouts=plain, scale=0.3, need_lse=False)
+    assert len(asked) == 3  # not reusable: asked at every call
+    fresh = tuple(replace(layout, reusable=True) for layout in plain)  # the next step's layouts
+    ex.attend_routed(q, k, v, seq, hard=hard, layouts=fresh, scale=0.3, need_lse=False)
+    assert len(asked) == 4
+    wide = [t.repeat(1, 1, 1, 17) for t in (q, k, v)]  # head dim 272
+    with pytest.raises(BackendUnavailableError, match="decode_sparse 'kernel'.*head_dim 272"):
+        ex.attend_routed(*wide, seq, hard=hard, layouts=shared, scale=0.3)
+    assert len(asked) == 5
+
+
 def test_the_gathered_path_computes_only_the_key_blocks_a_chunk_uses(monkeypatch):
     """Streaming at 1,024 tokens (sink 64, local 128, blocks of 64): each 128-row chunk attends to
     at most sink + local + chunk keys, not to every earlier key as the sdpa executor does."""

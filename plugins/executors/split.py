@@ -230,6 +230,11 @@ class SplitExecutor(Executor):
         #: (id of a reusable layout, key capacity, dtype) -> (the layout, :func:`decode_key_bias`):
         #: a decode step's layout is shared by every layer, so its mask is built once per step
         self._bias_cache: OrderedDict[tuple, tuple[BlockLayout, tuple[torch.Tensor, int] | None]] = OrderedDict()
+        #: (ids of reusable layouts, q's device, dtype and head shape) -> (the layouts,
+        #: :func:`_decode_kernel_reason`'s answer): asked once per decode step, not at every layer
+        self._kernel_verdicts: OrderedDict[tuple, tuple[tuple[BlockLayout, ...], tuple[str | None, list]]] = (
+            OrderedDict()
+        )
 
     def _head_index(self, heads: list[int], device: torch.device) -> torch.Tensor:
         """``heads`` as an int64 tensor on ``device``, kept for the next layer or forward with the
@@ -256,6 +261,24 @@ class SplitExecutor(Executor):
             return hit[1]
         answer = computes_every_causal_pair(layout, seq)
         _keep(self._every_pair_cache, key, (layout, answer))
+        return answer
+
+    def _kernel_verdict(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layouts: tuple[BlockLayout, ...]
+    ) -> tuple[str | None, list[RowSelection]]:
+        """:func:`_decode_kernel_reason`, decided once per tuple of reusable layout objects and q's
+        device, dtype and head shape (a decode step's layouts are shared by every layer: about 11 us
+        of host time per layer otherwise). Autograd is asked at every call."""
+        if not all(layout.reusable for layout in layouts) or (
+            torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        ):
+            return _decode_kernel_reason(q, k, v, layouts)
+        key = (*map(id, layouts), q.device, q.dtype, q.shape[1], q.shape[3])
+        hit = self._kernel_verdicts.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], layouts, strict=True)):
+            return hit[1]
+        answer = _decode_kernel_reason(q, k, v, layouts)
+        _keep(self._kernel_verdicts, key, (layouts, answer))
         return answer
 
     def _take_heads(self, t: torch.Tensor, heads: list[int]) -> torch.Tensor:
@@ -314,7 +337,7 @@ class SplitExecutor(Executor):
     ) -> AttentionOutput:
         lay_r, lay_s = layouts
         if self.sparse_path(q.device, seq) == "kernel":
-            reason, selections = _decode_kernel_reason(q, k, v, layouts)
+            reason, selections = self._kernel_verdict(q, k, v, layouts)
             if reason is None or self.config.decode_sparse == "kernel":  # both layouts' heads in one launch
                 self.check_inputs(q, k, v, seq, lay_r, scale=scale)
                 check_layout(lay_s, q, k, seq, context=f"executor {self.name!r}")
@@ -493,7 +516,7 @@ class SplitExecutor(Executor):
             # every causal pair (a data-dependent mode at a short context): the dense kernel's exact work
             return AttentionOutput(self.dense(q, k, v, scale=scale, causal=seq.q_len > 1), None)
         if path == "kernel":
-            reason, selections = _decode_kernel_reason(q, k, v, (layout,))
+            reason, selections = self._kernel_verdict(q, k, v, (layout,))
             return self.decode_kernel(q, k, v, seq, (layout,), scale=scale, need_lse=need_lse, reason=reason,
                                       selections=selections)
         return self.gathered(q, k, v, layout, seq, scale=scale, need_lse=need_lse)
