@@ -89,6 +89,7 @@ def test_cpu_routed_decode_timing_checks_both_forms_and_restores_the_bound(tmp_p
     assert tool.main(["--batch", "2", "--keys", "700", "--calls", "1", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["us_per_call"]
     assert all(row[k] > 0 for k in ("dense", "two_calls", "masked", "auto"))
-    kept = 64 + 256  # block 10 of 64 holds position 699: blocks 0 and 7-10, the window's 4 blocks
+    # block 10 of 64 holds positions 640-699: blocks 0 and 7-10, the last one's 60 keys only
+    kept = 64 + 3 * 64 + 60
     assert row["pairs"] == 2 * 6 * (700 - kept)
     assert gathered.MASKED_DECODE_PAIRS == bound

@@ -10,6 +10,7 @@ path's cost following the layout.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -22,11 +23,11 @@ from elasticfw.attention.executor import Executor, ExecutorConfig
 from elasticfw.attention.layout import causal_layout
 from elasticfw.attention.mode import AttentionOutput, attend_routed, routed_layout
 from elasticfw.attention.seq import SeqInfo
-from elasticfw.errors import BackendUnavailableError
+from elasticfw.errors import BackendUnavailableError, UnsupportedInputError
 from elasticfw.recipe import validate_recipe_data
 from elasticfw.registry import get_registry
 from elasticfw.testing.modes import TOLERANCE, make_inputs, make_mode, rel_rms
-from elasticfw_plugins.executors.gathered import decode_key_bias
+from elasticfw_plugins.executors.gathered import decode_dropped_keys, decode_key_bias
 from elasticfw_plugins.executors.split import (
     SplitConfig,
     SplitExecutor,
@@ -290,8 +291,9 @@ def test_a_small_decode_step_is_one_masked_call(routing, monkeypatch):
     assert rel_rms(got, want) < TOLERANCE[torch.float32]
     ref = get_registry().get("executor", "reference")()
     assert rel_rms(got, ref.attend(q, k, v, routed_layout(hard, layouts, seq), seq, scale=0.3).out) < 1e-5
-    # the step drops 200 - (1 sink + 2 window blocks) * 16 = 152 keys per sparse head
-    pairs = 2 * int(hard.sum(1)[0]) * 152
+    # the step keeps the sink block and two window blocks, the last holding positions 192-199 only:
+    # it drops 200 - (16 + 16 + 8) = 160 keys per sparse head
+    pairs = 2 * int(hard.sum(1)[0]) * 160
     for bound, one_call in ((pairs, True), (pairs - 1, False)):
         monkeypatch.setattr(gathered_module, "MASKED_DECODE_PAIRS", bound)
         calls.clear()
@@ -302,21 +304,58 @@ def test_a_small_decode_step_is_one_masked_call(routing, monkeypatch):
 
 def test_decode_key_bias_definition():
     """The additive mask of a decode row, written by hand: kept blocks 0, dropped ``-inf``, the
-    last block cut at the capacity; per-head layouts keep their heads; a head keeping no block,
-    a token mask or several rows give ``None``."""
+    last block cut at the capacity; per-head layouts keep their heads; the keys dropped counted
+    with the last block's real keys only (head 0 keeps 4 + 2 of 14, head 1 4 + 4 + 2); a head
+    keeping no block, a token mask or several rows give ``None``."""
     from elasticfw.attention.layout import BlockLayout
 
     blocks = torch.tensor([[1, 0, 0, 1], [0, 1, 1, 1]], dtype=torch.bool)[None, :, None, :]  # (1, 2, 1, 4)
-    bias, dropped = decode_key_bias(BlockLayout(blocks, 4), 14, torch.float32)
+    bias = decode_key_bias(BlockLayout(blocks, 4), 14, torch.float32)
     inf = -math.inf
-    assert bias.shape == (1, 2, 1, 14) and dropped == 14 - 2 * 4
+    assert bias.shape == (1, 2, 1, 14)
     assert bias[0, 0, 0].tolist() == [0.0] * 4 + [inf] * 8 + [0.0] * 2
     assert bias[0, 1, 0].tolist() == [inf] * 4 + [0.0] * 10
+    assert decode_dropped_keys(BlockLayout(blocks, 4), 14) == 14 - 6
+    assert decode_dropped_keys(BlockLayout(blocks, 4), 16) == 16 - 8  # the last block whole
+    assert decode_dropped_keys(BlockLayout(blocks[:, 1:], 4), 13) == 13 - 9
     empty = blocks.clone()
     empty[0, 1] = False
     assert decode_key_bias(BlockLayout(empty, 4), 14, torch.float32) is None
-    assert decode_key_bias(BlockLayout(blocks, 4, lambda b, h, qp, kp: kp >= 0), 14, torch.float32) is None
-    assert decode_key_bias(BlockLayout(blocks.expand(1, 2, 2, 4), 4), 14, torch.float32) is None
+    assert decode_dropped_keys(BlockLayout(empty, 4), 14) is None
+    token = BlockLayout(blocks, 4, lambda b, h, qp, kp: kp >= 0)
+    assert decode_key_bias(token, 14, torch.float32) is None and decode_dropped_keys(token, 14) is None
+    rows = BlockLayout(blocks.expand(1, 2, 2, 4), 4)
+    assert decode_key_bias(rows, 14, torch.float32) is None and decode_dropped_keys(rows, 14) is None
+
+
+def test_a_decode_step_past_the_bound_builds_no_mask(monkeypatch):
+    """A routed step whose dropped pairs exceed ``MASKED_DECODE_PAIRS`` takes the two calls without
+    building the additive mask (its size is the whole key capacity per head), also when a later
+    layer of the same step asks again; a step within the bound builds it once for all its layers."""
+    q, k, v, _ = make_inputs((2, 8, 4, 1, 200, 16), seed=5)
+    seq = SeqInfo.dense(2, 1, 200)
+    hard = _hard(ROUTINGS["first-full"], 2, 8)
+    layouts = tuple(dataclasses.replace(m.build_layout(q, k, seq), reusable=True) for m in (FULL, STREAM["block"]))
+    ex = SplitExecutor(SplitConfig())
+    built: list[int] = []
+    real = gathered_module.decode_key_bias
+
+    def counting(*args, **kw):
+        built.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(split_module, "decode_key_bias", counting)
+    want = _masked(q, k, v, seq, hard, "block", 0.3)
+    monkeypatch.setattr(gathered_module, "MASKED_DECODE_PAIRS", 0)
+    for _ in range(3):
+        got = ex.attend_routed(q, k, v, seq, hard=hard, layouts=layouts, scale=0.3, need_lse=False).out
+        assert rel_rms(got, want) < TOLERANCE[torch.float32]
+    assert built == []
+    monkeypatch.setattr(gathered_module, "MASKED_DECODE_PAIRS", 10**6)
+    for _ in range(3):
+        got = ex.attend_routed(q, k, v, seq, hard=hard, layouts=layouts, scale=0.3, need_lse=False).out
+        assert rel_rms(got, want) < TOLERANCE[torch.float32]
+    assert built == [1]
 
 
 @pytest.mark.skipif(split_module.triton_unavailable(torch.device("cpu")) is not None,
@@ -404,10 +443,13 @@ def test_the_decode_kernel_verdict_is_asked_once_per_step_layouts_and_query_kind
     fresh = tuple(replace(layout, reusable=True) for layout in plain)  # the next step's layouts
     ex.attend_routed(q, k, v, seq, hard=hard, layouts=fresh, scale=0.3, need_lse=False)
     assert len(asked) == 4
+    with pytest.raises(UnsupportedInputError, match="4-D"):  # checked as the executor checks, not a key error
+        ex.attend_routed(q[:, :, 0], k, v, seq, hard=hard, layouts=shared, scale=0.3)
+    assert len(asked) == 5  # a q of another rank is never looked up
     wide = [t.repeat(1, 1, 1, 17) for t in (q, k, v)]  # head dim 272
     with pytest.raises(BackendUnavailableError, match="decode_sparse 'kernel'.*head_dim 272"):
         ex.attend_routed(*wide, seq, hard=hard, layouts=shared, scale=0.3)
-    assert len(asked) == 5
+    assert len(asked) == 6
 
 
 def test_the_gathered_path_computes_only_the_key_blocks_a_chunk_uses(monkeypatch):

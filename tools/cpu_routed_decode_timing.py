@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                     gathered.MASKED_DECODE_PAIRS = configured
             for label in ("masked", "auto"):
                 torch.testing.assert_close(outputs[label], outputs["two_calls"], rtol=1e-5, atol=1e-5)
-            kept = int(layouts[1].blocks[..., -1:, :].sum(-1).min()) * BLOCK  # the step's row, per sample
-            row["pairs"] = batch * (HQ - HQ // HKV) * max(keys - kept, 0)
+            dropped = gathered.decode_dropped_keys(layouts[1], keys)  # the streaming heads' row
+            row["pairs"] = batch * (HQ - HQ // HKV) * (dropped or 0)
             rows.append(row)
             print(f"B={batch} S={keys:6d} dense {row['dense']:8.1f} us  two calls {row['two_calls']:8.1f}  "
                   f"masked {row['masked']:8.1f}  auto {row['auto']:8.1f}  pairs {row['pairs']}", flush=True)

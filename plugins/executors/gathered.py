@@ -66,6 +66,7 @@ __all__ = [
     "block_rows_attention",
     "causal_block_flags",
     "chunked_and_exact_tiles",
+    "decode_dropped_keys",
     "decode_key_bias",
     "gather_keys",
     "gathered_attention",
@@ -102,23 +103,32 @@ def gather_keys(
     return torch.cat([k[:, :, a:z] for a, z in runs], 2), torch.cat([v[:, :, a:z] for a, z in runs], 2)
 
 
-def decode_key_bias(layout: BlockLayout, kv_capacity: int, dtype: torch.dtype) -> tuple[torch.Tensor, int] | None:
-    """The additive mask (0 kept, ``-inf`` dropped; ``layout``'s heads, (B or 1, H, 1,
-    ``kv_capacity``) in ``dtype``) of a host-dense decode step's one row (its query at the last
-    position: every key causal, no key padding) under ``layout``'s blocks, and the most keys one
-    of its heads drops. ``None`` when the layout has a token mask or more than one row, or when a
-    head's row keeps no key (a softmax over nothing: the other paths give such a row zeros)."""
+def decode_dropped_keys(layout: BlockLayout, kv_capacity: int) -> int | None:
+    """The most keys one head of ``layout`` drops from a host-dense decode step's one row (its query
+    at the last position: every key causal, no key padding) over ``kv_capacity`` keys, counting the
+    last block only up to the capacity; ``None`` when no additive mask stands for the layout
+    (:func:`decode_key_bias`: a token mask, more than one row, or a head's row keeping no key). Reads
+    one number from the layout's device; builds no mask."""
     blocks = layout.blocks
     if layout.token_mask is not None or blocks.shape[2] != 1:
         return None
-    keep = blocks[:, :, :, : -(-kv_capacity // layout.block_size)]
-    kept_blocks = keep.sum(-1)
-    if not bool(kept_blocks.all()):
+    bs = layout.block_size
+    keep = blocks[:, :, 0, : -(-kv_capacity // bs)]
+    kept = keep.sum(-1) * bs - keep[..., -1] * (keep.shape[-1] * bs - kv_capacity)  # the last block's real keys
+    least = int(kept.min())
+    return None if least == 0 else kv_capacity - least
+
+
+def decode_key_bias(layout: BlockLayout, kv_capacity: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The additive mask (0 kept, ``-inf`` dropped; ``layout``'s heads, (B or 1, H, 1,
+    ``kv_capacity``) in ``dtype``) of a host-dense decode step's one row under ``layout``'s blocks;
+    ``None`` where :func:`decode_dropped_keys` is (a softmax over no key: the other paths give such
+    a row zeros). Ask :func:`decode_dropped_keys` first: this builds the whole mask."""
+    if decode_dropped_keys(layout, kv_capacity) is None:
         return None
+    keep = layout.blocks[:, :, :, : -(-kv_capacity // layout.block_size)]
     bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
-    bias = bias.repeat_interleave(layout.block_size, dim=-1)[..., :kv_capacity]
-    dropped = kv_capacity - int(kept_blocks.min()) * layout.block_size
-    return bias, max(dropped, 0)
+    return bias.repeat_interleave(layout.block_size, dim=-1)[..., :kv_capacity]
 
 
 class MaskBuffer:

@@ -31,11 +31,14 @@ length), and the other layouts take ``decode_sparse``: under ``auto`` (the defau
 decode kernel on CUDA (:mod:`elasticfw.kernels.decode_attention`; a routed layer's step is one
 launch over both layouts' heads, without reading the device), elsewhere ``gathered``: the query
 row is never padded to a 128-row FlexAttention tile, and only the key blocks it reads (a
-streaming head's sink and window) are gathered. A routed step there whose sparse layout has no
-token mask is one SDPA call over every head and key, the sparse heads' other keys masked by an
-additive mask built once per step's layout (:func:`~elasticfw_plugins.executors.gathered.decode_key_bias`),
-while that call attends at most ``gathered.MASKED_DECODE_PAIRS`` pairs the layout drops: at short
-contexts two calls' fixed costs outweigh the keys the second one skips.
+streaming head's sink and window) are gathered. A routed step there, on a CPU, whose sparse layout
+has no token mask is one SDPA call over every head and key, the sparse heads' other keys masked by
+an additive mask (:func:`~elasticfw_plugins.executors.gathered.decode_key_bias`; built once per
+step for a layout the runtime shares across layers, ``reusable``, and per layer otherwise), while
+that call attends at most ``gathered.MASKED_DECODE_PAIRS`` pairs the layout drops (counted first,
+without building the mask): at short contexts two calls' fixed costs outweigh the keys the second
+one skips. The bound was measured on a CPU; on CUDA (``decode_sparse: gathered`` pinned) the two
+calls run.
 
 Routed layers (:meth:`attend_routed`): when exactly one of the two layouts is dense causal, the
 call is a plain prefill or such a decode step, no log-sum-exp is asked for, every sample of the
@@ -80,7 +83,12 @@ from elasticfw.errors import BackendUnavailableError, UnsupportedInputError
 from elasticfw.kernels import triton_unavailable
 from elasticfw_plugins.executors import gathered as gathered_module
 from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
-from elasticfw_plugins.executors.gathered import MaskBuffer, decode_key_bias, gathered_attention
+from elasticfw_plugins.executors.gathered import (
+    MaskBuffer,
+    decode_dropped_keys,
+    decode_key_bias,
+    gathered_attention,
+)
 
 DenseBackend = Literal["auto", "cudnn", "flash", "efficient", "math", "flash_attn"]
 
@@ -227,9 +235,10 @@ class SplitExecutor(Executor):
         #: (id of a routing tensor, its version, retrieval layout dense, Hq, Hkv) -> (the tensor,
         #: :meth:`split_heads`' answer): one decision per routing, not per layer and step
         self._split_memo: OrderedDict[tuple, tuple[torch.Tensor, tuple[list[int], list[int]] | None]] = OrderedDict()
-        #: (id of a reusable layout, key capacity, dtype) -> (the layout, :func:`decode_key_bias`):
-        #: a decode step's layout is shared by every layer, so its mask is built once per step
-        self._bias_cache: OrderedDict[tuple, tuple[BlockLayout, tuple[torch.Tensor, int] | None]] = OrderedDict()
+        #: (id of a reusable layout, key capacity, dtype) -> (the layout, :func:`decode_dropped_keys`,
+        #: :func:`decode_key_bias` or ``None`` until a call takes the mask): a decode step's reusable
+        #: layout is shared by every layer, so its mask is built at most once per step
+        self._bias_cache: OrderedDict[tuple, tuple[BlockLayout, int | None, torch.Tensor | None]] = OrderedDict()
         #: (ids of reusable layouts, q's device, dtype and head shape) -> (the layouts,
         #: :func:`_decode_kernel_reason`'s answer): asked once per decode step, not at every layer
         self._kernel_verdicts: OrderedDict[tuple, tuple[tuple[BlockLayout, ...], tuple[str | None, list]]] = (
@@ -269,7 +278,7 @@ class SplitExecutor(Executor):
         """:func:`_decode_kernel_reason`, decided once per tuple of reusable layout objects and q's
         device, dtype and head shape (a decode step's layouts are shared by every layer: about 11 us
         of host time per layer otherwise). Autograd is asked at every call."""
-        if not all(layout.reusable for layout in layouts) or (
+        if q.dim() != 4 or not all(layout.reusable for layout in layouts) or (
             torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         ):
             return _decode_kernel_reason(q, k, v, layouts)
@@ -361,7 +370,7 @@ class SplitExecutor(Executor):
             return self.sparse(q, k, v, sparse_layout, seq, scale=scale, need_lse=False)
         if len(dense_q) == hq:
             return AttentionOutput(self.dense(q, k, v, scale=scale, causal=causal), None)
-        if not causal and self.sparse_path(q.device, seq) == "gathered":
+        if not causal and q.device.type == "cpu" and self.sparse_path(q.device, seq) == "gathered":
             masked = self._masked_decode(q, k, v, seq, sparse_layout, sparse_heads, hq - len(dense_q), scale)
             if masked is not None:
                 return AttentionOutput(masked, None)
@@ -398,15 +407,20 @@ class SplitExecutor(Executor):
         than :data:`~elasticfw_plugins.executors.gathered.MASKED_DECODE_PAIRS` dropped pairs."""
         key = (id(layout), seq.kv_capacity, q.dtype)
         hit = self._bias_cache.get(key) if layout.reusable else None
-        if hit is not None and hit[0] is layout:
-            entry = hit[1]
+        if hit is None or hit[0] is not layout:
+            hit = (layout, decode_dropped_keys(layout, seq.kv_capacity), None)
+        dropped, bias = hit[1], hit[2]
+        if dropped is not None and q.shape[0] * n_sparse * dropped <= gathered_module.MASKED_DECODE_PAIRS:
+            if bias is None:  # the mask is built only for a call that takes it
+                bias = decode_key_bias(layout, seq.kv_capacity, q.dtype)
+                hit = (layout, dropped, bias)
         else:
-            entry = decode_key_bias(layout, seq.kv_capacity, q.dtype)
-            if layout.reusable:
-                _keep(self._bias_cache, key, (layout, entry))
-        if entry is None or q.shape[0] * n_sparse * entry[1] > gathered_module.MASKED_DECODE_PAIRS:
+            bias = None
+        if layout.reusable:
+            _keep(self._bias_cache, key, hit)
+        if bias is None:
             return None
-        bias, hq = entry[0], q.shape[1]
+        hq = q.shape[1]
         if bias.shape[1] not in (1, hq):  # one layout per KV head: its query heads share it
             bias = bias.repeat_interleave(hq // bias.shape[1], dim=1)
         mask = torch.where(sparse_heads[:, :, None, None], bias, 0.0)
