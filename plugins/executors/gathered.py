@@ -82,7 +82,7 @@ __all__ = [
 #: 0.21 ms against 0.32 for the two calls (dense 0.13); the two calls slightly ahead at 4,097 keys
 #: (22,662 pairs: 0.44 against 0.41) and at batch 4 and 1,441 keys (26,904: 0.58 against 0.56),
 #: clearly beyond (batch 1 at 8,193 keys: 0.85 against 0.55). (Those pair counts took the last,
-#: partial block whole; counted exactly, :func:`decode_dropped_keys`, they are up to 31 keys per
+#: partial block whole; counted exactly, :func:`decode_dropped_keys`, they are up to 63 keys per
 #: head higher, the same side of the bound.)
 MASKED_DECODE_PAIRS = 16_384
 
