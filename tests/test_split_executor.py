@@ -47,6 +47,19 @@ def _hard(kv: list[int], batch: int, hq: int) -> torch.Tensor:
     return row[None].expand(batch, hq).clone()
 
 
+def _count_calls(monkeypatch, owner, name: str) -> list[int]:
+    """Replace ``owner.name`` by a wrapper that appends 1 to the returned list at each call."""
+    calls: list[int] = []
+    real = getattr(owner, name)
+
+    def counting(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(owner, name, counting)
+    return calls
+
+
 def _masked(q, k, v, seq, hard, granularity, scale):
     """Independent answer: float64 softmax over a mask written from the streaming definition
     (sink + local window at block or token granularity) for sparse heads and causality for the rest."""
@@ -337,14 +350,7 @@ def test_a_decode_step_past_the_bound_builds_no_mask(monkeypatch):
     hard = _hard(ROUTINGS["first-full"], 2, 8)
     layouts = tuple(dataclasses.replace(m.build_layout(q, k, seq), reusable=True) for m in (FULL, STREAM["block"]))
     ex = SplitExecutor(SplitConfig())
-    built: list[int] = []
-    real = gathered_module.decode_key_bias
-
-    def counting(*args, **kw):
-        built.append(1)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(split_module, "decode_key_bias", counting)
+    built = _count_calls(monkeypatch, split_module, "decode_key_bias")
     want = _masked(q, k, v, seq, hard, "block", 0.3)
     monkeypatch.setattr(gathered_module, "MASKED_DECODE_PAIRS", 0)
     for _ in range(3):
@@ -376,20 +382,13 @@ def test_a_decode_step_through_the_decode_kernel_is_one_launch(routing, monkeypa
     hard[1] = ~hard[1]
     layouts = (FULL.build_layout(q, k, seq), STREAM["block"].build_layout(q, k, seq))
     ex = SplitExecutor(SplitConfig(decode_sparse="kernel"))
-    launches: list[int] = []
-    real = dec.decode_attention
-
-    def counting(*args, **kw):
-        launches.append(1)
-        return real(*args, **kw)
-
     def no_sdpa(*args, **kw):
         raise AssertionError("SDPA called")
 
     def no_read(self):
         raise AssertionError("the routing was read on the host")
 
-    monkeypatch.setattr(dec, "decode_attention", counting)
+    launches = _count_calls(monkeypatch, dec, "decode_attention")
     monkeypatch.setattr(split_module.F, "scaled_dot_product_attention", no_sdpa)
     monkeypatch.setattr(torch.Tensor, "cpu", no_read)
     got = ex.attend_routed(q, k, v, seq, hard=hard, layouts=layouts, scale=0.3, need_lse=True)
@@ -416,22 +415,13 @@ def test_the_decode_kernel_verdict_is_asked_once_per_step_layouts_and_query_kind
     layout objects and q's dtype and head shape: the layers of a step ask once; a new layout object,
     a layout not marked reusable, or a q of another head dim asks again (head dim 272 is past the
     kernel's 256: the pinned kernel names it instead of running on the head dim 16 verdict)."""
-    from dataclasses import replace
-
     q, k, v, _ = make_inputs((1, 8, 4, 1, 200, 16))
     seq = SeqInfo(torch.tensor([199]), torch.tensor([200]), 1, 200)
     hard = _hard(ROUTINGS["first-full"], 1, 8)
     plain = (FULL.build_layout(q, k, seq), STREAM["block"].build_layout(q, k, seq))
-    shared = tuple(replace(layout, reusable=True) for layout in plain)
+    shared = tuple(dataclasses.replace(layout, reusable=True) for layout in plain)
     ex = SplitExecutor(SplitConfig(decode_sparse="kernel"))
-    asked: list[int] = []
-    real = split_module._decode_kernel_reason
-
-    def counting(*args, **kw):
-        asked.append(1)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(split_module, "_decode_kernel_reason", counting)
+    asked = _count_calls(monkeypatch, split_module, "_decode_kernel_reason")
     want = _masked(q, k, v, seq, hard, "block", 0.3)
     for _ in range(3):  # three layers of one step
         got = ex.attend_routed(q, k, v, seq, hard=hard, layouts=shared, scale=0.3, need_lse=False)
@@ -440,7 +430,7 @@ def test_the_decode_kernel_verdict_is_asked_once_per_step_layouts_and_query_kind
     ex.attend_routed(q, k, v, seq, hard=hard, layouts=plain, scale=0.3, need_lse=False)
     ex.attend_routed(q, k, v, seq, hard=hard, layouts=plain, scale=0.3, need_lse=False)
     assert len(asked) == 3  # not reusable: asked at every call
-    fresh = tuple(replace(layout, reusable=True) for layout in plain)  # the next step's layouts
+    fresh = tuple(dataclasses.replace(layout, reusable=True) for layout in plain)  # the next step's layouts
     ex.attend_routed(q, k, v, seq, hard=hard, layouts=fresh, scale=0.3, need_lse=False)
     assert len(asked) == 4
     with pytest.raises(UnsupportedInputError, match="4-D"):  # checked as the executor checks, not a key error
