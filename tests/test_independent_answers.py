@@ -212,6 +212,19 @@ def test_every_layer_equals_sdpa_with_hand_built_masks(case, executor, granulari
     assert torch.equal(elastic.routing.decisions, want[None].expand(2, -1, -1))
 
 
+@pytest.mark.parametrize("executor", ["split", "sdpa"])
+def test_a_model_built_and_run_under_inference_mode_equals_sdpa(executor):
+    """Tensors made under ``torch.inference_mode()`` have no version counter (the split executor's
+    head-split memo and the routers' host copies once read it and raised): a model built and run
+    there, unpadded so that the split executor splits its heads, meets the hand-built masks."""
+    ids, mask = padded_batch([70, 70], "left")
+    with torch.inference_mode():
+        elastic = make_elastic("llama", "block", executor)
+        seen = record(elastic, ids, mask)
+    errors = layer_errors(elastic, "llama", STREAMING["block"], seen, mask)
+    assert max(errors.values()) < TOL, errors
+
+
 def _control() -> dict[int, float]:
     """Layer errors of llama on sdpa, block granularity, left padding (patched or not)."""
     elastic = make_elastic("llama", "block", "sdpa")

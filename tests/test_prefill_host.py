@@ -146,7 +146,8 @@ def test_a_host_copy_must_match_the_decision():
 
 def test_host_copies_follow_the_table(monkeypatch):
     """A router's CPU copy of its table is taken once and taken again after an in-place edit or a
-    change of dtype; the decisions' ``host`` equals their ``sparse``."""
+    change of dtype (at every call for a tensor made under inference mode, which has no version);
+    the decisions' ``host`` equals their ``sparse``, for a router built under inference mode too."""
     from elasticfw.registry import get_registry
     from elasticfw.routing.base import HeadLayout, HostCopy
 
@@ -164,6 +165,11 @@ def test_host_copies_follow_the_table(monkeypatch):
     table[1, 2] = 1.0  # in place: a new copy
     assert copy(table)[1, 2] == 1.0 and len(reads) == 2
     assert copy(table.double()).dtype == torch.float64 and len(reads) == 3
+    with torch.inference_mode():  # no version counter: read at every call, so always current
+        frozen = torch.zeros(2, 3)
+        assert copy(frozen).sum() == 0 and len(reads) == 4
+        frozen[0, 0] = 2.0
+        assert copy(frozen)[0, 0] == 2.0 and len(reads) == 5
     monkeypatch.undo()
     entry = get_registry().entry("router", "fixed")
     router = entry.cls(entry.config_class(assign="sparse_heads", heads=[(1, 2)]), HeadLayout((0, 1), 3, 6, 8))
@@ -173,3 +179,7 @@ def test_host_copies_follow_the_table(monkeypatch):
     with torch.no_grad():
         router.table[1, 0] = 1.0
     assert router.decide(1, torch.zeros(1, 3, 5, 8), None).host.tolist() == [[1.0, 0.0, 1.0]]
+    with torch.inference_mode():
+        router = entry.cls(entry.config_class(assign="sparse_heads", heads=[(1, 2)]), HeadLayout((0, 1), 3, 6, 8))
+        decision = router.decide(1, torch.zeros(2, 3, 5, 8), None)
+        assert decision.host is not None and decision.host.tolist() == [[0.0, 0.0, 1.0]] * 2

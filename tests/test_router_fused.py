@@ -10,7 +10,10 @@ tests run the compiled kernel on CUDA tensors (``DEVICE``).
 
 from __future__ import annotations
 
+import copy
+import io
 import json
+import pickle
 
 import pytest
 import torch
@@ -128,6 +131,22 @@ def test_fused_matches_the_float64_definition(batch, heads, dim, sk, pool, spy):
     assert spy == {"fused_decide": 1, "fused_mlp": 0}
     check(got, definition(router, 1, keys, ends(sk, pool, batch)), FP32)
     assert got.logits is not None and got.logits.dtype == torch.float32
+
+
+def test_a_router_copies_and_pickles_after_a_fused_decision(spy):
+    """The fused path keeps no unpicklable state on the router (it once held the kernel module as
+    an attribute): after a fused decision the router deep-copies, pickles and saves, and the copy
+    decides through the kernel as the float64 definition does."""
+    router = make_router(32, 2, 20)
+    keys = make_keys(1, 2, 64, 32)
+    router.decide(0, keys, dense(1, 64))
+    clone = copy.deepcopy(router)
+    restored = pickle.loads(pickle.dumps(router))
+    torch.save(router.state_dict(), io.BytesIO())
+    torch.save(router, io.BytesIO())
+    for other in (clone, restored):
+        check(other.decide(0, keys, dense(1, 64)), definition(router, 0, keys, ends(64, 20, 1)), FP32)
+    assert spy == {"fused_decide": 3, "fused_mlp": 0}
 
 
 def test_fused_reads_strided_keys(spy):

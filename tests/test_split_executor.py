@@ -660,10 +660,11 @@ def test_a_decode_step_over_per_sample_blocks_is_not_shared():
         assert rel_rms(got[b : b + 1], want) < TOLERANCE[torch.float32]
 
 
-def test_split_heads_decides_once_per_routing_and_again_after_an_in_place_write():
-    """The split decision is kept per routing tensor: the same tensor again gives the very same answer
-    object (no new decision), an in-place write (a new tensor version) a new and right one, and
-    another retrieval/sparse order its own."""
+def test_split_heads_decides_once_per_routing_value_and_again_after_any_write():
+    """The split decision is kept per routing *value*: the same routing again (the same tensor or an
+    equal new one) gives the very same answer object (no new decision); a write in place, whether
+    it bumps the tensor's version or not (through ``.numpy()``), a new and right one; and another
+    retrieval/sparse order its own."""
     q, k, v, seq = make_inputs((1, 4, 2, 20, 100, 8))
     seq = SeqInfo.dense(1, 1, 100)
     q = q[:, :, :1]
@@ -674,7 +675,33 @@ def test_split_heads_decides_once_per_routing_and_again_after_an_in_place_write(
     first = ex.split_heads(q, k, seq, host, layouts, False, hard_host=host)
     assert first == ([0, 1], [0])
     assert ex.split_heads(q, k, seq, host, layouts, False, hard_host=host) is first
+    again = host.clone()
+    assert ex.split_heads(q, k, seq, again, layouts, False, hard_host=again) is first
     host[0] = ~host[0]  # in place: KV head 1 full now
     assert ex.split_heads(q, k, seq, host, layouts, False, hard_host=host) == ([2, 3], [1])
+    version = host._version
+    host.numpy()[0] = ~host.numpy()[0]  # in place without a version bump: KV head 0 full again
+    assert host._version == version
+    assert ex.split_heads(q, k, seq, host, layouts, False, hard_host=host) == ([0, 1], [0])
     swapped = (layouts[1], layouts[0])  # the sparse layout first: hard's True heads are the dense ones
-    assert ex.split_heads(q, k, seq, host, swapped, False, hard_host=host) == ([0, 1], [0])
+    assert ex.split_heads(q, k, seq, host, swapped, False, hard_host=host) == ([2, 3], [1])
+    with pytest.raises(UnsupportedInputError, match="hard_host must be on the CPU"):
+        ex.split_heads(q, k, seq, host, layouts, False, hard_host=host.to("meta"))
+
+
+def test_a_routed_call_under_inference_mode_splits_and_stays_exact():
+    """Tensors made under ``torch.inference_mode()`` have no version counter: a routed call there
+    (routing made there too, as a model's forward makes it) splits its heads and meets the float64
+    definition, twice (the second call reuses the decision)."""
+    shape = (1, 8, 4, 90, 90, 16)
+    q, k, v, seq = make_inputs(shape)
+    ex = SplitExecutor(SplitConfig(sparse="gathered"))
+    want = _masked(q, k, v, seq, _hard(ROUTINGS["scattered"], 1, 8), "block", 0.37)
+    with torch.inference_mode():
+        hard = _hard(ROUTINGS["scattered"], 1, 8)
+        layouts = tuple(m.build_layout(q, k, seq) for m in (FULL, STREAM["block"]))
+        assert ex.split_heads(q, k, seq, hard, layouts, False, hard_host=hard) == ([2, 3, 6, 7], [1, 3])
+        for _ in range(2):
+            out = attend_routed(q, k, v, seq, ex, retrieval=FULL, sparse=STREAM["block"], hard=hard,
+                                layouts=layouts, scale=0.37, hard_host=hard.clone()).out
+            assert rel_rms(out, want) < TOLERANCE[torch.float32]

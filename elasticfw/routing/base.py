@@ -35,13 +35,17 @@ class HeadLayout:
 class HostCopy:
     """A CPU copy of a (small) tensor that routers keep for :attr:`RouterDecision.host`: read from
     the device once, and again only after the tensor changed (an in-place edit bumps its version; a
-    move to another device or dtype gives it new storage)."""
+    move to another device or dtype gives it new storage). A tensor made under
+    ``torch.inference_mode()`` has no version counter, so it is read at every call: a router built
+    outside inference mode is read once."""
 
     def __init__(self) -> None:
         self._key: tuple[int, int, torch.dtype] | None = None
         self._copy: torch.Tensor | None = None
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_inference():
+            return tensor.detach().cpu()
         key = (tensor._version, tensor.data_ptr(), tensor.dtype)
         if self._copy is None or self._key != key:
             self._copy, self._key = tensor.detach().cpu(), key

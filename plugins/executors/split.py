@@ -232,9 +232,9 @@ class SplitExecutor(Executor):
         self._gather_buffers = (MaskBuffer(), MaskBuffer())
         #: (id of a reusable layout, SeqInfo signature) -> (the layout, whether it computes every causal pair)
         self._every_pair_cache: OrderedDict[tuple[int, tuple], tuple[BlockLayout, bool]] = OrderedDict()
-        #: (id of a routing tensor, its version, retrieval layout dense, Hq, Hkv) -> (the tensor,
-        #: :meth:`split_heads`' answer): one decision per routing, not per layer and step
-        self._split_memo: OrderedDict[tuple, tuple[torch.Tensor, tuple[list[int], list[int]] | None]] = OrderedDict()
+        #: (the routing's bytes on the host, its shape, retrieval layout dense, Hkv) -> :meth:`split_heads`'
+        #: answer: one decision per routing, not per layer and step
+        self._split_memo: OrderedDict[tuple, tuple[list[int], list[int]] | None] = OrderedDict()
         #: (id of a reusable layout, key capacity, dtype) -> (the layout, :func:`decode_dropped_keys`,
         #: :func:`decode_key_bias` or ``None`` until a call takes the mask): a decode step's reusable
         #: layout is shared by every layer, so its mask is built at most once per step
@@ -451,17 +451,21 @@ class SplitExecutor(Executor):
             raise UnsupportedInputError(
                 f"executor 'split': hard_host must have hard's shape {tuple(hard.shape)}, got {tuple(hard_host.shape)}"
             )
-        # the answer depends on the routing's values and which layout is dense: kept per routing
-        # tensor (and its version, bumped by an in-place write), so that the layers and decode steps
-        # that reuse one routing decide once (each decision below is several small operations)
-        source = hard if hard_host is None else hard_host
-        key = (id(source), source._version, lay_r.dense_causal, hq, hkv)
-        hit = self._split_memo.get(key)
-        if hit is not None and hit[0] is source:
-            self._split_memo.move_to_end(key)
-            return hit[1]
+        if hard_host is not None and hard_host.device.type != "cpu":
+            raise UnsupportedInputError(
+                f"executor 'split': hard_host must be on the CPU (the routing the caller holds there), "
+                f"got a tensor on {hard_host.device}"
+            )
         # one device read for every decision below (each would be a synchronisation), none when given
         host = hard.cpu() if hard_host is None else hard_host
+        # the answer depends on the routing's values and which layout is dense: kept per routing
+        # *value* (its bytes), so that the layers and decode steps that reuse one routing decide once
+        # (each decision below is several small operations). Not per tensor object: a tensor made
+        # under inference_mode has no version counter, and a write through .numpy() bumps none.
+        key = (host.to(torch.bool).contiguous().numpy().tobytes(), tuple(host.shape), lay_r.dense_causal, hkv)
+        if key in self._split_memo:
+            self._split_memo.move_to_end(key)
+            return self._split_memo[key]
         answer: tuple[list[int], list[int]] | None = None
         if bool((host == host[:1]).all()):  # else samples routed differently: one launch (documented)
             dense = (~host[0] if lay_r.dense_causal else host[0]).view(hkv, hq // hkv)
@@ -469,7 +473,7 @@ class SplitExecutor(Executor):
                 dense_kv = [int(i) for i in dense.all(1).nonzero().flatten().tolist()]
                 group = hq // hkv
                 answer = [h * group + j for h in dense_kv for j in range(group)], dense_kv
-        _keep(self._split_memo, key, (source, answer))
+        _keep(self._split_memo, key, answer)
         return answer
 
     # -- the two paths -------------------------------------------------------------------------

@@ -33,6 +33,19 @@ from elasticfw.kernels import triton_unavailable
 from elasticfw.routing.base import HeadLayout, Router, RouterConfig, RouterDecision
 from elasticfw.routing.gumbel import TemperatureSchedule, gumbel_softmax_sparse_prob, straight_through
 
+#: :mod:`elasticfw_plugins.routers.mlp_fused` once imported (it imports Triton): a module global, not a
+#: router attribute, so that a router stays deep-copyable and picklable after a fused decision
+_FUSED: list[Any] = []
+
+
+def _fused_kernels() -> Any:
+    """The fused kernel module, imported on first use."""
+    if not _FUSED:
+        from elasticfw_plugins.routers import mlp_fused
+
+        _FUSED.append(mlp_fused)
+    return _FUSED[0]
+
 
 class MLPRouterConfig(RouterConfig):
     name: Literal["mlp"] = "mlp"
@@ -136,7 +149,6 @@ class MLPRouter(Router):
         self.schedule = TemperatureSchedule(config.tau_init, config.tau_min, config.tau_rate, config.tau_units)
         #: the fused kernel's verdict per (layer, key dtype, device, head dim, weight dtype, device): None = runs
         self._fused_reasons: dict[tuple, str | None] = {}
-        self._fused_module: Any = None  # elasticfw_plugins.routers.mlp_fused, once Triton is known to run
 
     def temperature(self) -> float:
         return self.schedule(self.progress)
@@ -183,10 +195,7 @@ class MLPRouter(Router):
         if reason == "":
             reason = triton_unavailable(keys.device)
             if reason is None:
-                from elasticfw_plugins.routers import mlp_fused  # imports Triton
-
-                reason = mlp_fused.unsupported(params, keys)
-                self._fused_module = mlp_fused
+                reason = _fused_kernels().unsupported(params, keys)
             self._fused_reasons[check] = reason
         if reason is not None:
             if not pinned:
@@ -195,7 +204,7 @@ class MLPRouter(Router):
                 f"elastic.router.kernel = 'triton' but the fused router kernel cannot run here: {reason}; "
                 "use kernel: auto (fused where it can run, else eager) or eager"
             )
-        mlp_fused = self._fused_module  # set with the first verdict that the kernel can run
+        mlp_fused = _fused_kernels()
         if fast:
             hard, prob, logits = mlp_fused.fused_decide(params, keys, pool_tokens)
         else:  # padding or a short sequence: the eager gather pooling, then the fused MLPs and decision
