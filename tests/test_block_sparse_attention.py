@@ -37,8 +37,9 @@ def _brute(q, k, v, selected, group_size, seq, scale, row_block=1, window=0):
             for i in range(sq):
                 pos = q0 + i
                 row = selected[min(b, selected.shape[0] - 1), hs, pos // row_block - q0 // row_block]
-                keys = [j for j in range(sk) if j <= pos and j < int(seq.kv_len[b])
-                        and (bool(row[j // group_size]) or (window > 0 and j > pos - window))]
+                keys = [j for j in range(sk) if j <= pos and j < int(seq.kv_len[b])  # past the table: not selected
+                        and ((j // group_size < row.numel() and bool(row[j // group_size]))
+                             or (window > 0 and j > pos - window))]
                 if not keys:
                     continue
                 s = q[b, h, i].double() @ k[b, kh, keys].double().T * scale
@@ -87,6 +88,22 @@ def test_kernel_matches_the_definition(name):
     assert (out[~finite] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_head_dim_below_16_in_16_bit_matches_the_definition(dtype):
+    """Head dim 8 is a power of two, but the kernel pads head dims to 16: its K/V must not come
+    through TMA, whose tiles would be 8 wide (every row selects both groups, so every chunk is
+    clean, the loop that loads through TMA)."""
+    from elasticfw.kernels.block_sparse_attention import row_selection_attention
+
+    seq = SeqInfo.dense(1, 256, 256)
+    q, k, v, _ = _inputs(seq, 2, 1, 8, dtype, 2, 128, 2)
+    selected = torch.ones(1, 2, 256, 2, dtype=torch.bool)
+    out, lse = row_selection_attention(q, k, v, RowSelection(selected, 128), seq, scale=8**-0.5)
+    ref_out, ref_lse = _brute(q, k, v, selected, 128, seq, 8**-0.5)
+    torch.testing.assert_close(out.double(), ref_out, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize("reverse", [True, False])
 def test_every_program_order_computes_every_tile_of_every_head(grouped, reverse, monkeypatch):
@@ -130,6 +147,11 @@ def test_unsupported_inputs_are_named():
     with pytest.raises(BackendUnavailableError, match="float64"):
         row_selection_attention(q, q, q, RowSelection(torch.ones(1, 2, 8, 1, dtype=torch.bool), 8),
                                 SeqInfo.dense(1, 8, 8), scale=1.0)
+    q, k = torch.zeros(1, 2, 8, 16), torch.zeros(1, 2, 8, 16)
+    for v in (torch.zeros(1, 1, 8, 16), torch.zeros(1, 2, 6, 16)):  # fewer heads, fewer keys than k
+        with pytest.raises(ValueError, match="v must have k's shape"):
+            row_selection_attention(q, k, v, RowSelection(torch.ones(1, 2, 8, 1, dtype=torch.bool), 8),
+                                    SeqInfo.dense(1, 8, 8), scale=1.0)
 
 
 # -- through the flex executor, on per-token MoBA layouts -----------------------------------------
@@ -398,6 +420,9 @@ WINDOW_CASES = {
     "per_token_rows": (lambda: _seq([0, 30], [150, 140], 110, 150), 2, 1, 2, 16, 1, 32, 24, 0.3, (32, 16)),
     "window_wider_than_tile": (lambda: _seq([20], [200], 180, 200), 2, 1, 1, 16, 32, 32, 100, 0.1, (32, 16)),
     "decode": (lambda: _seq([149, 96], [150, 97], 1, 150), 4, 1, 4, 16, 16, 16, 33, 0.3, (16, 16)),
+    # a table of 2 groups for 4 groups of keys: the window alone reaches keys 64-127 (the kernel once
+    # read the next row's flags for them)
+    "table_narrower_than_the_keys": (lambda: SeqInfo.dense(1, 128, 128), 2, 1, 1, 16, 1, 32, 16, 0.6, (32, 16), 2),
 }
 
 
@@ -406,14 +431,15 @@ def test_selection_with_a_sliding_window_matches_the_definition(name):
     from elasticfw.kernels.block_sparse_attention import Tiles, row_selection_attention
     from elasticfw.kernels.work_lists import work_lists
 
-    make, hq, hkv, hs, dim, row_block, group, window, density, (bm, bn) = WINDOW_CASES[name]
+    make, hq, hkv, hs, dim, row_block, group, window, density, (bm, bn), *table = WINDOW_CASES[name]
     seq = make()
     g = torch.Generator().manual_seed(7)
     q = torch.randn(seq.batch, hq, seq.q_len, dim, generator=g)
     k = torch.randn(seq.batch, hkv, seq.kv_capacity, dim, generator=g)
     v = torch.randn(seq.batch, hkv, seq.kv_capacity, dim, generator=g)
     rows = seq.num_query_blocks(row_block)
-    selected = torch.rand(seq.batch, hs, rows, math.ceil(seq.kv_capacity / group), generator=g) < density
+    groups = table[0] if table else math.ceil(seq.kv_capacity / group)
+    selected = torch.rand(seq.batch, hs, rows, groups, generator=g) < density
     selection = RowSelection(selected, group, row_block=row_block, window=window)
     tiles = Tiles(block_m=bm, block_n=bn, num_warps=4, num_stages=2)
     out, lse = row_selection_attention(q, k, v, selection, seq, scale=0.25, tiles=tiles)

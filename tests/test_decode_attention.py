@@ -111,3 +111,7 @@ def test_decode_kernel_errors_name_the_problem():
         decode_attention(q, k, v, sel, seq, scale=1.0, splits=99)
     with pytest.raises(ValueError, match="keep_heads must be"):
         decode_attention(q, k, v, sel, seq, scale=1.0, keep_heads=torch.ones(1, 3, dtype=torch.bool))
+    for other in (v[:, :, :40], v.expand(1, 2, 64, 16)):  # fewer keys, more heads than k: never read past v
+        for checked in (False, True):
+            with pytest.raises(ValueError, match="v must have k's shape"):
+                decode_attention(q, k, other, sel, seq, scale=1.0, checked=checked)

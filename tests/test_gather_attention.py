@@ -26,6 +26,8 @@ CASES = {
     "dense_selection_many_ranks": (lambda: SeqInfo.dense(1, 96, 96), 2, 1, 1, 16, torch.float32, 6, 16, 0.9, 16),
     "bf16": (lambda: SeqInfo.dense(1, 130, 130), 2, 1, 2, 32, torch.bfloat16, 5, 32, 0.4, 32),
     "fp16": (lambda: _seq([5], [120], 100, 120), 2, 1, 1, 16, torch.float16, 8, 16, 0.4, 32),
+    # a power of two below the 16 the kernel pads to: no TMA (its tiles would be 8 wide)
+    "fp16_head_dim_8": (lambda: SeqInfo.dense(1, 100, 100), 2, 1, 2, 8, torch.float16, 4, 32, 0.5, 32),
 }
 
 
@@ -134,6 +136,31 @@ def test_keep_heads_and_unsupported_selections(merge):
         gathered_selection_attention(q, k, v, RowSelection(shared, 32, window=8), seq, scale=0.25)
     with pytest.raises(ValueError, match="merge must be"):
         gathered_selection_attention(q, k, v, RowSelection(shared, 32), seq, scale=0.25, merge="ranks")
+
+
+@pytest.mark.parametrize("merge", ["passes", "entries"])
+def test_flags_of_any_nonzero_value_select_once(merge):
+    """A uint8 table's flags may hold any nonzero value (2, 5): each selects its group once (the
+    entries merge once counted a row's entries as the sum of its flags)."""
+    from elasticfw.kernels.block_sparse_attention import Tiles
+    from elasticfw.kernels.gather_attention import gathered_selection_attention
+
+    seq = _seq([0, 7], [120, 110], 100, 120)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 2, 100, 16, generator=g)
+    k = torch.randn(2, 1, 120, 16, generator=g)
+    v = torch.randn(2, 1, 120, 16, generator=g)
+    flags = torch.randint(0, 3, (2, 2, 100, 4), generator=g).to(torch.uint8) * torch.tensor([1, 2, 5, 2], dtype=torch.uint8)
+    assert (flags > 1).any()
+    out, lse = gathered_selection_attention(q, k, v, RowSelection(flags, 32), seq, scale=0.25, merge=merge,
+                                            tiles=Tiles(block_m=32, block_n=16, num_warps=4, num_stages=2))
+    ref_out, ref_lse = _brute(q, k, v, flags != 0, 32, seq, 0.25)
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="v must have k's shape"):
+        gathered_selection_attention(q, k, v[:, :, :60], RowSelection(flags, 32), seq, scale=0.25, merge=merge)
 
 
 @pytest.mark.parametrize("merge", ["passes", "entries"])

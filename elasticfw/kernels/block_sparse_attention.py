@@ -221,7 +221,7 @@ def _block_sparse_kernel(
     stride_cb, stride_ch, stride_ct,
     stride_eb, stride_eh,
     stride_ob, stride_oh, stride_os, stride_od,
-    q_len, row_block, group_size, window, kv_group, sel_group, qk_scale,
+    q_len, row_block, group_size, n_groups, window, kv_group, sel_group, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, REVERSE: tl.constexpr,
     GROUPED: tl.constexpr, COMPACT: tl.constexpr,
@@ -290,7 +290,9 @@ def _block_sparse_kernel(
     for e in range(0, n_masked):
         c = tl.load(masked_ptr + masked_off + e * stride_lc)
         kpos = c * BLOCK_N + n
-        flags = tl.load(s_base + ((c * BLOCK_N) // group_size) * stride_sg, mask=row_ok, other=0) != 0
+        grp = (c * BLOCK_N) // group_size  # a group past a narrow table is not selected (a window may reach it)
+        flags = tl.load(s_base + tl.minimum(grp, n_groups - 1) * stride_sg, mask=row_ok, other=0) != 0
+        flags = flags & (grp < n_groups)
         seen_pair = flags[:, None]
         if WINDOW:
             seen_pair = seen_pair | (kpos[None, :] > pos[:, None] - window)
@@ -325,7 +327,7 @@ def kv_descriptor(x: torch.Tensor, block_n: int) -> tuple[object, int, int, int]
     """A 2-D TMA descriptor of ``x`` (B, H, S, D) and where head ``h`` of sample ``b`` starts in it
     (``(desc, rows_b, rows_h, cols_h)``: its key ``j`` is row ``b * rows_b + h * rows_h + j``, from
     column ``h * cols_h``), or ``None`` where TMA cannot read ``x``: not 16-bit, D not a power of
-    two, strided last dimension, rows or base not 16-byte aligned, or (B, H, S) neither
+    two of at least 16 (the kernels pad the head dim to 16), strided last dimension, rows or base not 16-byte aligned, or (B, H, S) neither
     head-major (rows of every head consecutive) nor token-major (the heads of a token side by side,
     the layout of a (B, S, H, D) projection viewed as (B, H, S, D))."""
     if not USE_TMA or x.dtype not in (torch.float16, torch.bfloat16):
@@ -337,7 +339,7 @@ def kv_descriptor(x: torch.Tensor, block_n: int) -> tuple[object, int, int, int]
         return None
     batch, heads, seq_len, dim = x.shape
     sb, sh, ss, sd = x.stride()
-    if dim & (dim - 1) or sd != 1 or (ss * 2) % 16 or x.data_ptr() % 16:
+    if dim < 16 or dim & (dim - 1) or sd != 1 or (ss * 2) % 16 or x.data_ptr() % 16:
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -389,6 +391,8 @@ def check_inputs(
             f"{caller}: q, k, v must share dtype and head dim; got {q.dtype}/{k.dtype}/{v.dtype}, "
             f"head dims {dim}/{k.shape[-1]}/{v.shape[-1]}"
         )
+    if v.shape != k.shape:
+        raise ValueError(f"{caller}: v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
     if keep_heads is None:
         return torch.ones(1, hq, dtype=torch.uint8, device=q.device).expand(batch, hq)
     if keep_heads.dim() != 2 or keep_heads.shape[0] not in (1, batch) or keep_heads.shape[1] != hq:
@@ -444,8 +448,8 @@ def _attend(
         *q.stride(), *k.stride(), *v.stride(), *k_rows, *v_rows,
         *sel_u8.stride(), *list_strides, *n_clean.stride(), *keep.stride(),
         *out.stride(),
-        q_len, selection.row_block, selection.group_size, selection.window, hq // hkv, hq // sel.shape[1],
-        scale * _LOG2E,
+        q_len, selection.row_block, selection.group_size, sel.shape[3], selection.window, hq // hkv,
+        hq // sel.shape[1], scale * _LOG2E,
         HEAD_DIM=dim, D_PAD=max(16, next_pow2(dim)), BLOCK_M=tiles.block_m, BLOCK_N=block_n,
         WINDOW=selection.window > 0, IEEE=q.dtype == torch.float32, UPCAST=interpreting() and q.dtype != torch.float32,
         TMA=tma, REVERSE=REVERSE_TILES, GROUPED=GROUP_HEADS and hq > hkv, COMPACT=plan.start is not None,

@@ -276,6 +276,8 @@ def decode_attention(
             f"decode_attention: q, k, v must share dtype and head dim, and KV heads divide {hq}; got "
             f"{q.dtype}/{k.dtype}/{v.dtype}, head dims {dim}/{k.shape[-1]}/{v.shape[-1]}, {hkv} KV heads"
         )
+    if v.shape != k.shape:
+        raise ValueError(f"decode_attention: v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
     out = torch.empty(batch, hq, 1, dim, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, hq, 1, dtype=torch.float32, device=q.device)
     if batch * hq == 0:

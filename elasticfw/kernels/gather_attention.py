@@ -156,7 +156,7 @@ def gather_entry_plan(selection: RowSelection, batch: int, block_m: int) -> Entr
         sel = sel.expand(batch, *sel.shape[1:])
     _, heads, q_len, groups = sel.shape
     device = sel.device
-    per_row = sel.sum(-1, dtype=torch.int32).reshape(-1)
+    per_row = (sel != 0).sum(-1, dtype=torch.int32).reshape(-1)  # flags may be uint8 of any nonzero value
     row_ptr = torch.zeros(per_row.numel() + 1, dtype=torch.int64, device=device)
     torch.cumsum(per_row, 0, out=row_ptr[1:])
     flat = sel.reshape(-1).nonzero().squeeze(1)  # ascending: row-major, a row's entries consecutive
