@@ -190,3 +190,48 @@ def test_flex_executor_gathers_moba_token_layouts(case, merge, monkeypatch):
     torch.testing.assert_close(got.out[rows], ref.out[rows], rtol=1e-5, atol=1e-5)
     finite = torch.isfinite(ref.lse) & rows
     torch.testing.assert_close(got.lse[finite], ref.lse[finite], rtol=1e-5, atol=1e-5)
+
+
+def test_tiles_fit_the_gpus_shared_memory(monkeypatch):
+    """fit_tiles against the shared memory an H100 / H200 allows per block (232,448 bytes), by hand:
+    (stages x 2 x block_n + block_m) x padded head dim x element size + 1 KB of slack. The 128-dim
+    defaults fit as they are (229,376 + 1,024); head dim 256 (Gemma's) does not (Triton asked for
+    459,776 bytes on an H100). A kernel whose work is planned keeps its rows and chunk (only stages)."""
+    from elasticfw.kernels import block_sparse_attention as bsa
+    from elasticfw.kernels.block_sparse_attention import DEFAULT_TILES, SMALL_TILES, Tiles, fit_tiles
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(bsa, "shared_memory_limit", lambda device: 232_448)
+    assert fit_tiles(DEFAULT_TILES, 128, 128, 2, cuda, shrink=True) == (DEFAULT_TILES, 128)
+    assert fit_tiles(SMALL_TILES, 64, 256, 2, cuda, shrink=False) == (SMALL_TILES, 64)  # (2 x 2 x 64 + 64) x 512
+    # 3 -> 2 stages: 327,680; half the chunk: (2 x 2 x 64 + 128) x 256 x 2 = 196,608
+    assert fit_tiles(DEFAULT_TILES, 128, 256, 2, cuda, shrink=True) == (Tiles(128, 128, 8, 2), 64)
+    assert fit_tiles(DEFAULT_TILES, 128, 256, 2, cuda, shrink=False) == (Tiles(128, 128, 8, 1), 128)
+    # float32 at 256: (2 x 2 x 32 + 64) x 256 x 4 = 196,608 after the chunk and the rows are halved
+    assert fit_tiles(DEFAULT_TILES, 128, 256, 4, cuda, shrink=True) == (Tiles(64, 128, 8, 2), 32)
+    monkeypatch.setattr(bsa, "shared_memory_limit", lambda device: None)  # off a GPU: as given
+    assert fit_tiles(DEFAULT_TILES, 128, 256, 2, cuda, shrink=True) == (DEFAULT_TILES, 128)
+
+
+@pytest.mark.parametrize("merge", ["passes", "entries"])
+def test_gathered_attention_in_fitted_tiles_matches_the_definition(merge, monkeypatch):
+    """Where the tiles are shrunk to fit (a limit of 20,000 bytes forced on the CPU: 32-row tiles of
+    32-key chunks, one stage), the gathered attention still meets the float64 definition."""
+    from elasticfw.kernels import block_sparse_attention as bsa
+    from elasticfw.kernels.gather_attention import gathered_selection_attention
+
+    monkeypatch.setattr(bsa, "shared_memory_limit", lambda device: 20_000)
+    assert bsa.fit_tiles(bsa.DEFAULT_TILES, 128, 32, 4, torch.device("cpu"), shrink=True) == (
+        bsa.Tiles(32, 128, 8, 1), 32)
+    seq = _seq([0, 9], [160, 150], 140, 160)
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(2, 4, 140, 32, generator=g)
+    k = torch.randn(2, 2, 160, 32, generator=g)
+    v = torch.randn(2, 2, 160, 32, generator=g)
+    selected = torch.rand(2, 2, 140, 3, generator=g) < 0.5
+    out, lse = gathered_selection_attention(q, k, v, RowSelection(selected, 64), seq, scale=0.2, merge=merge)
+    ref_out, ref_lse = _brute(q, k, v, selected, 64, seq, 0.2)
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-5, atol=1e-4)

@@ -48,8 +48,10 @@ def test_flex_full_routing_matches_unmodified_model(family):
     "sparse",
     [
         None,
-        {"name": "xattention", "block_size": 64, "stride": 16, "threshold": 0.9},
-        {"name": "moba", "block_size": 64, "moba_block_size": 128, "top_k": 2},
+        # decode: sparse, so that a cached step selects as the uncached prefill's last row does (their
+        # default, decode: full, attends every key in a step, as upstream; tests/test_dense_decode.py)
+        {"name": "xattention", "block_size": 64, "stride": 16, "threshold": 0.9, "decode": "sparse"},
+        {"name": "moba", "block_size": 64, "moba_block_size": 128, "top_k": 2, "decode": "sparse"},
         {"name": "nsa", "block_size": 64, "top_n": 3, "window": 128, "compression_branch": True},
     ],
     ids=["streaming", "xattention", "moba", "nsa"],

@@ -27,6 +27,7 @@ __all__ = [
     "interpreting",
     "next_pow2",
     "shared_memory_budget",
+    "shared_memory_limit",
     "triton_unavailable",
     "unsupported_tensor",
 ]
@@ -67,6 +68,14 @@ def shared_memory_budget(device: torch.device, cap: int) -> int:
     index = device.index if device.index is not None else torch.cuda.current_device()
     optin = _shared_memory_optin(index)
     return cap if optin is None else min(cap, optin - SHARED_MEMORY_RESERVE)
+
+
+def shared_memory_limit(device: torch.device) -> int | None:
+    """The per-block shared memory limit of a GPU (``shared_memory_per_block_optin``: 232,448 bytes
+    on an H100 / H200), ``None`` elsewhere (the interpreter has none) or where torch does not say."""
+    if device.type != "cuda":
+        return None
+    return _shared_memory_optin(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def interpreting() -> bool:

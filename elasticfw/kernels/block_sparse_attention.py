@@ -40,7 +40,7 @@ outputs: the work lists, dense or, above
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,7 +50,7 @@ import triton.language as tl
 from elasticfw.attention.layout import BlockLayout, RowSelection
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
-from elasticfw.kernels import cdiv, interpreting, next_pow2, unsupported_tensor
+from elasticfw.kernels import cdiv, interpreting, next_pow2, shared_memory_limit, unsupported_tensor
 
 if TYPE_CHECKING:  # the planning module imports this one: plan_work is imported where it is called
     from elasticfw.kernels.work_lists import WorkPlan
@@ -115,6 +115,42 @@ def default_tiles(selection: RowSelection) -> Tiles:
     if _chunk_size(selection.group_size, DEFAULT_TILES.block_n) == SMALL_TILES.block_n:
         return SMALL_TILES
     return DEFAULT_TILES
+
+
+#: shared memory Triton holds beyond :func:`pipeline_bytes` (measured on an H100: 459,776 bytes asked
+#: for 128 x 128 tiles, 3 stages, head dim 256 in bf16, where the estimate is 458,752)
+SMEM_SLACK = 1024
+
+
+def pipeline_bytes(block_m: int, block_n: int, num_stages: int, d_pad: int, itemsize: int) -> int:
+    """Shared memory of a kernel's operands: ``num_stages`` K and V chunks of ``block_n`` keys and
+    one tile of ``block_m`` query rows, ``d_pad`` columns each."""
+    return (num_stages * 2 * block_n + block_m) * d_pad * itemsize
+
+
+def fit_tiles(tiles: Tiles, block_n: int, d_pad: int, itemsize: int, device: torch.device, *,
+              shrink: bool) -> tuple[Tiles, int]:
+    """``(tiles, block_n)`` within the GPU's shared memory (:func:`~elasticfw.kernels.shared_memory_limit`,
+    with :data:`SMEM_SLACK`): fewer stages down to 2, then (``shrink``: a kernel whose work was not
+    planned for these tiles) half the key chunk and then half the rows down to 32 each, then one
+    stage. Unchanged where they fit, as the 128-dim defaults do on Hopper, and off a GPU. Head dim
+    256 (Gemma's) in 16-bit asks 459,776 bytes at the defaults, beyond an H100's 232,448."""
+    limit = shared_memory_limit(device)
+    block_m, stages = tiles.block_m, tiles.num_stages
+    while limit is not None and pipeline_bytes(block_m, block_n, stages, d_pad, itemsize) + SMEM_SLACK > limit:
+        if stages > 2:
+            stages -= 1
+        elif shrink and block_n > 32:
+            block_n //= 2
+        elif shrink and block_m > 32:
+            block_m //= 2
+        elif stages > 1:
+            stages -= 1
+        else:
+            break
+    if (block_m, stages) == (tiles.block_m, tiles.num_stages):
+        return tiles, block_n
+    return replace(tiles, block_m=block_m, num_stages=stages), block_n
 
 
 def flag_table(selected: torch.Tensor, batch: int) -> torch.Tensor:
@@ -441,6 +477,7 @@ def _attend(
         raise ValueError(f"{caller}: a compact work plan needs one flat list and start offsets laid out as its counts")
     sel_u8 = flag_table(sel, batch)
     grid = (cdiv(q_len, tiles.block_m), hq, batch)
+    tiles, _ = fit_tiles(tiles, block_n, max(16, next_pow2(dim)), q.element_size(), q.device, shrink=False)
     tma, k_desc, v_desc, k_rows, v_rows = kv_descriptors(k, v, block_n)
     _block_sparse_kernel[grid](
         q, k, v, sel_u8, clean, n_clean, masked, n_masked, start, keep, seq.q_start.contiguous(),

@@ -61,6 +61,7 @@ from elasticfw.kernels.block_sparse_attention import (
     Tiles,
     attend_chunk,
     check_inputs,
+    fit_tiles,
     kv_descriptors,
     load_rows,
 )
@@ -396,9 +397,10 @@ def gathered_selection_attention(
     lse = torch.full((batch, hq, q_len), float("-inf"), dtype=torch.float32, device=q.device)
     if batch * hq * q_len == 0:
         return acc.to(q.dtype), lse
-    plan = gather_plan(selection, batch, tiles.block_m)
     heads_per_table = hq // sel.shape[1]
-    block_n = min(tiles.block_n, max(16, next_pow2(selection.group_size)))
+    tiles, block_n = fit_tiles(tiles, min(tiles.block_n, max(16, next_pow2(selection.group_size))),
+                               max(16, next_pow2(dim)), q.element_size(), q.device, shrink=True)
+    plan = gather_plan(selection, batch, tiles.block_m)
     tma, k_desc, v_desc, k_rows, v_rows = kv_descriptors(k, v, block_n)
     for r in range(len(plan.pass_bounds) - 1):
         lo, hi = plan.pass_bounds[r], plan.pass_bounds[r + 1]
@@ -432,14 +434,15 @@ def _entries_attention(
     lse = torch.empty(batch, hq, q_len, dtype=torch.float32, device=q.device)
     if batch * hq * q_len == 0:
         return out, lse
+    d_pad = max(16, next_pow2(dim))
+    tiles, block_n = fit_tiles(tiles, min(tiles.block_n, max(16, next_pow2(selection.group_size))), d_pad,
+                               q.element_size(), q.device, shrink=True)
     plan = gather_entry_plan(selection, batch, tiles.block_m)
     heads_per_table = hq // selection.selected.shape[1]
     entries = plan.slots.numel()
     part = torch.empty(entries * heads_per_table, dim, dtype=q.dtype, device=q.device)
     part_lse = torch.empty(entries * heads_per_table, dtype=torch.float32, device=q.device)
-    d_pad = max(16, next_pow2(dim))
     if plan.tile_start.numel():
-        block_n = min(tiles.block_n, max(16, next_pow2(selection.group_size)))
         tma, k_desc, v_desc, k_rows, v_rows = kv_descriptors(k, v, block_n)
         _gather_kernel[(plan.tile_start.numel(), heads_per_table)](
             q, k, v, plan.rows, plan.tile_start, plan.tile_count, plan.tile_b, plan.tile_h, plan.tile_g, keep,
