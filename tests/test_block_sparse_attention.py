@@ -152,6 +152,9 @@ def test_unsupported_inputs_are_named():
         with pytest.raises(ValueError, match="v must have k's shape"):
             row_selection_attention(q, k, v, RowSelection(torch.ones(1, 2, 8, 1, dtype=torch.bool), 8),
                                     SeqInfo.dense(1, 8, 8), scale=1.0)
+    with pytest.raises(ValueError, match="selection table must be"):  # a table of no heads (was ZeroDivisionError)
+        row_selection_attention(q, k, k, RowSelection(torch.ones(1, 0, 8, 1, dtype=torch.bool), 8),
+                                SeqInfo.dense(1, 8, 8), scale=1.0)
 
 
 # -- through the flex executor, on per-token MoBA layouts -----------------------------------------

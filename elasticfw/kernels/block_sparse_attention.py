@@ -417,7 +417,7 @@ def check_inputs(
     batch, hq, _, dim = q.shape
     sel = selection.selected
     rows = seq.num_query_blocks(selection.row_block)
-    if sel.shape[0] not in (1, batch) or sel.shape[2] != rows or hq % sel.shape[1]:
+    if sel.shape[0] not in (1, batch) or sel.shape[2] != rows or sel.shape[1] == 0 or hq % sel.shape[1]:
         raise ValueError(
             f"{caller}: the selection table must be (1 or B={batch}, H dividing {hq}, {rows} rows of "
             f"{selection.row_block} positions, G), got {tuple(sel.shape)}"
