@@ -23,8 +23,10 @@ JSON under ``--out`` as it goes:
 
    It times FA-SSA, FA-XA and XA-SSA at MSR 0.5 and 0.875 (``--configs``) at 8K, 32K and 128K.
 4. ``decode.json`` (only with ``--steps decode``) — ``python -m elasticfw.bench.decode_memory
-   --prefill-executor split --decode-executor split``: decode step time and KV-cache memory at 32K
-   and 128K context, dense vs FA-SSA with the full and the compact cache (4 layers).
+   --prefill-executor split --decode-executor split --profile``: decode step time and KV-cache memory
+   at 32K and 128K context, dense vs FA-SSA with the full and the compact cache (4 layers), and a
+   ``torch.profiler`` table of three more steps per variant (the elastic steps' cost that grows
+   with the context on an H100, ``results/bench/issue10-s17/README.md``, is not yet explained).
 
 5. ``density.json`` — ``python -m elasticfw.bench.density --seq 131072 --tiles 128,128,8,2
    --triton 128,128,8,3 128,64,8,3``: FlexAttention and the Triton block-sparse kernel on random
@@ -128,7 +130,7 @@ def gpu(args: argparse.Namespace) -> int:
          "--layers", layers, "--executors", "split", "--msr", "0.5", "0.875", "--configs", "fa-ssa", "fa-xa", "xa-ssa",
          "--reps", "3", "--overwrite", "--out", str(out / "prefill.json")],
         "decode": [py, "-m", "elasticfw.bench.decode_memory", "--prefill-executor", "split", "--decode-executor", "split",
-         "--out", str(out / "decode.json")],
+         "--profile", "--out", str(out / "decode.json")],
         "gpu-tests": [py, "-m", "pytest", "tests/test_gpu.py", "tests/test_router_fused.py", "tests/test_xattention_triton.py",
          "tests/test_moba_triton.py", "tests/test_nsa_triton.py", "tests/test_block_sparse_gpu.py",
          "tests/test_work_lists_triton.py", "-m", "gpu", "-q",
