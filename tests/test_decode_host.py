@@ -293,6 +293,38 @@ def test_decode_host_timing_tool_writes_its_figures(tmp_path):
 
 @pytest.mark.skipif(split_module.triton_unavailable(torch.device("cpu")) is not None,
                     reason="needs Triton's interpreter")
+def test_decode_host_timing_tool_times_the_kernel_at_each_split_count(tmp_path, monkeypatch):
+    """``--splits N ...`` adds one piece per N that calls the decode kernel with ``splits=N`` (and
+    the default piece with none); a count below 1 is refused before anything runs."""
+    import importlib.util
+
+    from elasticfw.kernels import decode_attention as da
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "decode_host_timing.py"
+    spec = importlib.util.spec_from_file_location("decode_host_timing", path)
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    seen = []
+    real = da.decode_attention
+
+    def recording(*a, **kw):
+        seen.append(kw.get("splits"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(da, "decode_attention", recording)
+    out = tmp_path / "host.json"
+    assert tool.main(["--device", "cpu", "--tokens", "256", "--calls", "1", "--warmup", "0", "--no-launch",
+                      "--splits", "1", "3", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert {"decode_attention splits=1", "decode_attention splits=3", "decode_attention"} <= set(report["us"])
+    assert {None, 1, 3} == set(seen) and seen.count(1) == seen.count(3) == 1
+    with pytest.raises(SystemExit):
+        tool.main(["--device", "cpu", "--splits", "0"])
+
+
+@pytest.mark.skipif(split_module.triton_unavailable(torch.device("cpu")) is not None,
+                    reason="needs Triton's interpreter")
 def test_decode_host_timing_no_launch_times_the_host_code_and_restores_the_kernels(tmp_path, monkeypatch):
     """``--no-launch`` runs every piece with the decode kernel's two launches replaced by no-ops (none
     of them reaches the real kernels), reports blocks' median and fastest host times, and puts the

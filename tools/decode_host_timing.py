@@ -15,7 +15,11 @@ per call until the last one is enqueued, ``with_gpu_us`` until the GPU has finis
 * ``decode_attention`` — the Triton decode kernel of both modes' heads
   (:func:`elasticfw.kernels.decode_attention.decode_attention`, its two launches and their host code);
 * ``split attend_routed`` — the split executor's whole routed call (its checks, then the kernel);
-* ``torch.empty x5`` — five small allocations, a yardstick of the host's speed.
+* ``torch.empty x5`` — five small allocations, a yardstick of the host's speed;
+* ``decode_attention splits=N`` (with ``--splits N ...``) — the kernel with ``N`` key ranges per
+  (sample, KV head) instead of :func:`~elasticfw.kernels.decode_attention.num_splits`' choice (at
+  MSR 0.875 one KV head in eight reads every key, so its programs, not the grid, set the GPU time:
+  ``--tokens 131072 --splits 32 64 128 256`` on a GPU compares ``with_gpu_us``).
 
 ``--cprofile N`` also profiles ``N`` calls of ``decode_attention`` with cProfile (top functions by
 own time). On a CPU without a GPU the kernels run under ``TRITON_INTERPRET=1`` (slow: for a smoke
@@ -130,6 +134,9 @@ def _run(args: argparse.Namespace, decode_module: Any) -> dict[str, Any]:
         ),
         "torch.empty x5": lambda: [torch.empty(8, 128, device=device) for _ in range(5)],
     }
+    for n in args.splits:
+        pieces[f"decode_attention splits={n}"] = lambda n=n: decode_module.decode_attention(
+            q, k, v, sel_r, seq, scale=scale, second=sel_s, second_heads=hard, splits=n)
     report: dict[str, Any] = {
         "benchmark": "decode_host_timing", "environment": environment(device), "tokens": args.tokens,
         "calls": args.calls, "no_launch": args.no_launch, "us": {},
@@ -168,9 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-launch", action="store_true",
                    help="replace the decode kernel's two launches by no-ops: the host code alone (a CPU works)")
     p.add_argument("--json", type=Path, default=None, help="write the figures with the environment")
+    p.add_argument("--splits", type=int, nargs="*", default=[], metavar="N",
+                   help="also time the decode kernel with N key ranges per (sample, KV head), for each N")
     args = p.parse_args(argv)
     if args.tokens < 1 or args.calls < 1 or args.blocks < 1 or args.warmup < 0:
         p.error("--tokens, --calls and --blocks must be >= 1, --warmup >= 0")
+    if any(n < 1 for n in args.splits):
+        p.error(f"--splits values are key ranges per (sample, KV head), >= 1; got {args.splits}")
     report = run(args)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
