@@ -243,6 +243,11 @@ def test_unsupported_inputs_are_named():
     assert unsupported(q, block_size=16, kernel=8, stride=4) is None
     with pytest.raises(BackendUnavailableError, match="float64"):
         _triton(q.double(), q.double(), SeqInfo.dense(1, 32, 32, DEV), 16, 8, 4)
+    # sizes below 1 are wrong arguments, named (a ZeroDivisionError, a RuntimeError or "backend
+    # cannot run" before)
+    for block_size, kernel in ((0, 8), (-16, 8), (16, 0), (16, -4)):
+        with pytest.raises(ValueError, match="positive multiples of compress_stride=4"):
+            _triton(q, q, SeqInfo.dense(1, 32, 32, DEV), block_size, kernel, 4)
 
 
 # -- the mode ------------------------------------------------------------------------------------

@@ -96,6 +96,12 @@ CASES = {
     ),
     # block / stride = 1 (stride = block), head_dim 8 (padded to 16)
     "group1": (lambda: _seq([0], [100], 100, 100), 2, 1, 8, 16, 16, torch.float32, None, 16384, {}),
+    # a sample of padding rows only (q_start >= kv_len), kv_len and q_start in one stride: no mass
+    # (the kernel counted the strided row holding q_start as real, a uniform row of mass 1)
+    "padding_only_sample": (lambda: _seq([9, 9], [9, 12], 6, 16), 4, 1, 16, 32, 8, torch.float32, None, 16384, {}),
+    "padding_only_sample_in_a_batch": (
+        lambda: _seq([64, 62], [128, 60], 64, 128), 2, 1, 16, 16, 8, torch.float32, None, 16384, {},
+    ),
 }
 
 
@@ -176,6 +182,12 @@ def test_unsupported_inputs_are_named():
     assert unsupported(q, block_size=16, stride=4) is None
     with pytest.raises(BackendUnavailableError, match="float64"):
         _triton_mass(q.double(), q.double(), SeqInfo.dense(1, 32, 32, DEV), block_size=16, stride=4)
+    for block_size in (0, -16):  # a ZeroDivisionError / RuntimeError before
+        assert "positive multiple" in unsupported(q, block_size=block_size, stride=4)
+        with pytest.raises(ValueError, match=f"block_size={block_size} must be a positive multiple of stride=4"):
+            _triton_mass(q, q, SeqInfo.dense(1, 32, 32, DEV), block_size=block_size, stride=4)
+        with pytest.raises(ValueError, match="positive multiple"):
+            antidiagonal_mass(q, q, SeqInfo.dense(1, 32, 32, DEV), block_size=block_size, stride=4)
 
 
 # -- selection -----------------------------------------------------------------------------------

@@ -382,8 +382,8 @@ def iter_antidiagonal_mass(
         raise ValueError(f"iter_antidiagonal_mass: backend must be 'torch' or 'triton', got {backend!r}")
     seq.check(q, k)
     bs, s = block_size, stride
-    if bs % s:
-        raise ValueError(f"block_size={bs} must be a multiple of stride={s}")
+    if s < 1 or bs < 1 or bs % s:
+        raise ValueError(f"block_size={bs} must be a positive multiple of stride={s}")
     batch = q.shape[0]
     nqb, nkb = seq.num_query_blocks(bs), seq.num_key_blocks(bs)
     rows_per_chunk = max(1, chunk_size // bs)

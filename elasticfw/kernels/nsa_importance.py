@@ -112,10 +112,10 @@ def unsupported(q: torch.Tensor, *, block_size: int, kernel: int, stride: int) -
     reason = unsupported_tensor(q, "Triton NSA scorer")
     if reason is not None:
         return reason
-    if stride < 1 or kernel < 1 or kernel % stride or block_size % stride:
+    if stride < 1 or kernel < 1 or block_size < 1 or kernel % stride or block_size % stride:
         return (
-            f"compress_kernel {kernel} and block_size {block_size} must be multiples of compress_stride "
-            f"{stride}"
+            f"compress_kernel {kernel} and block_size {block_size} must be positive multiples of "
+            f"compress_stride {stride}"
         )
     if next_pow2(block_size) > MAX_BLOCK:
         return f"block_size {block_size} is above the Triton NSA scorer's {MAX_BLOCK}"
@@ -522,9 +522,10 @@ def nsa_block_importance_triton(
     reason.
     """
     seq.check(q, k)
-    if stride < 1 or kernel % stride or block_size % stride:
+    if stride < 1 or kernel < 1 or block_size < 1 or kernel % stride or block_size % stride:
         raise ValueError(
-            f"compress_kernel={kernel} and block_size={block_size} must be multiples of compress_stride={stride}"
+            f"compress_kernel={kernel} and block_size={block_size} must be positive multiples of "
+            f"compress_stride={stride}"
         )
     reason = unsupported(q, block_size=block_size, kernel=kernel, stride=stride)
     if reason is not None:

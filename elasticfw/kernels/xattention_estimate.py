@@ -98,8 +98,8 @@ def unsupported(q: torch.Tensor, *, block_size: int, stride: int) -> str | None:
     reason = unsupported_tensor(q, "Triton estimator")
     if reason is not None:
         return reason
-    if stride < 1 or block_size % stride:
-        return f"block_size {block_size} is not a multiple of stride {stride}"
+    if stride < 1 or block_size < 1 or block_size % stride:
+        return f"block_size {block_size} is not a positive multiple of stride {stride}"
     group = next_pow2(block_size // stride)
     if group > MAX_GROUP:
         return (
@@ -190,7 +190,8 @@ def _strided_rows(
     gi = r % GROUP_PAD
     m_abs = (first_block + t) * GROUP + gi
     row_ok = (gi < GROUP) & (t < row1)
-    real = row_ok & (m_abs * STRIDE < hi) & (m_abs * STRIDE + STRIDE > lo)
+    # the row's positions [m_abs * STRIDE, + STRIDE) meet the real ones [lo, hi) (none where hi <= lo)
+    real = row_ok & (tl.maximum(m_abs * STRIDE, lo) < tl.minimum(m_abs * STRIDE + STRIDE, hi))
     last = tl.max(tl.where(real, m_abs, -1), axis=0)
     return r, t, gi, m_abs, row_ok, real, last
 
@@ -424,8 +425,8 @@ def iter_antidiagonal_mass_triton(
         raise ValueError(f"Triton antidiagonal estimate: passes must be 1 or 2, got {passes}")
     seq.check(q, k)
     bs, s = block_size, stride
-    if s < 1 or bs % s:
-        raise ValueError(f"block_size={bs} must be a multiple of stride={s}")
+    if s < 1 or bs < 1 or bs % s:
+        raise ValueError(f"block_size={bs} must be a positive multiple of stride={s}")
     reason = unsupported(q, block_size=bs, stride=s)
     if reason is not None:
         raise BackendUnavailableError(f"Triton antidiagonal estimate: {reason}")
