@@ -426,6 +426,8 @@ WINDOW_CASES = {
     # a table of 2 groups for 4 groups of keys: the window alone reaches keys 64-127 (the kernel once
     # read the next row's flags for them)
     "table_narrower_than_the_keys": (lambda: SeqInfo.dense(1, 128, 128), 2, 1, 1, 16, 1, 32, 16, 0.6, (32, 16), 2),
+    # a table of no groups: the window alone (the kernel read the flag before the table, a crash)
+    "table_of_no_groups": (lambda: SeqInfo.dense(1, 64, 64), 2, 2, 2, 16, 1, 16, 8, 0.5, (32, 16), 0),
 }
 
 
@@ -616,3 +618,59 @@ def test_plan_work_goes_compact_above_the_threshold(monkeypatch):
     bad = wl.WorkPlan(plan.clean, plan.clean_count, plan.clean.clone(), plan.masked_count, 32, 32, plan.start)
     with pytest.raises(ValueError, match="compact work plan"):
         bsa.row_selection_attention(q, k, v, selection, seq, scale=0.25, tiles=tiles, plan=bad)
+
+
+def _fake_gpu(monkeypatch, limit, hopper=True):
+    """The block-sparse module's view of a GPU with ``limit`` bytes of shared memory per block (the
+    kernels still run on the CPU, under the interpreter)."""
+    import elasticfw.kernels.block_sparse_attention as bsa
+
+    monkeypatch.setattr(bsa, "shared_memory_limit", lambda device: limit)
+    monkeypatch.setattr(bsa, "hopper_or_newer", lambda device: hopper)
+
+
+def test_a_head_dim_too_wide_for_the_shared_memory_is_named(monkeypatch):
+    """Where even 32 x 32 tiles at one stage do not fit ((2 x 32 + 32) x 256 x 4 + 1,024 = 99,328
+    bytes for float32 at head dim 256, against a T4's 65,536), ``unsupported`` says so (so that
+    ``sparse_kernel: auto`` keeps FlexAttention) and a call raises BackendUnavailableError naming the
+    bytes, instead of Triton's launch error; head dim 128 there fits ((64 + 32) x 128 x 4 + 1,024)."""
+    from elasticfw.kernels.block_sparse_attention import row_selection_attention, unsupported
+
+    _fake_gpu(monkeypatch, 65_536, hopper=False)
+    q = torch.zeros(1, 2, 8, 256)
+    assert "99328 bytes of shared memory" in unsupported(q)
+    assert unsupported(q[..., :128]) is None
+    with pytest.raises(BackendUnavailableError, match="99328 bytes"):
+        row_selection_attention(q, q, q, RowSelection(torch.ones(1, 2, 8, 1, dtype=torch.bool), 8),
+                                SeqInfo.dense(1, 8, 8), scale=1.0)
+
+
+@pytest.mark.parametrize("mode", ["streaming_block", "nsa_token", "xattention"])
+def test_tiles_shrunk_to_fit_before_planning_match_the_reference(mode, monkeypatch):
+    """Under a limit the defaults do not fit (10,000 bytes against (3 x 2 x 128 + 128) x 16 x 4 =
+    57,344 at head dim 16 in float32), the flex executor plans the kernel's work for fitted tiles
+    (32-row tiles of 32-key chunks, one stage: (2 x 32 + 32) x 64 + 1,024 = 7,168 bytes) and the
+    output meets the reference executor's."""
+    import elasticfw.kernels.block_sparse_attention as bsa
+    from elasticfw.kernels.work_lists import plan_work as real_plan
+    from elasticfw.testing.modes import reference_executor
+    from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
+
+    name, overrides = MODE_CASES[mode]
+    q, k, v, seq, layout = _mode_layout(name, overrides, kv_lens=[256, 171])
+    assert q.shape[-1] == 16 and q.dtype == torch.float32
+    _fake_gpu(monkeypatch, 10_000)
+    planned = []
+    import elasticfw.kernels.work_lists as wl
+
+    monkeypatch.setattr(wl, "plan_work", lambda sel, sq, tiles: planned.append(tiles) or real_plan(sel, sq, tiles))
+    assert bsa.planned_tiles(bsa.DEFAULT_TILES, q) == bsa.Tiles(32, 32, 8, 1)
+    with torch.no_grad():
+        got = FlexExecutor(FlexConfig(sparse_kernel="triton", row_selection_strategy="tiles")).attend(
+            q, k, v, layout, seq, scale=0.25)
+        ref = reference_executor().attend(q, k, v, layout, seq, scale=0.25)
+    assert planned and all(t.block_m == 32 and t.block_n <= 32 and t.num_stages == 1 for t in planned)
+    rows = seq.query_valid()[:, None, :].expand_as(ref.lse)
+    torch.testing.assert_close(got.out[rows], ref.out[rows], rtol=1e-5, atol=1e-5)
+    finite = torch.isfinite(ref.lse) & rows
+    torch.testing.assert_close(got.lse[finite], ref.lse[finite], rtol=1e-5, atol=1e-5)

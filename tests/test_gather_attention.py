@@ -202,6 +202,7 @@ def test_tiles_fit_the_gpus_shared_memory(monkeypatch):
 
     cuda = torch.device("cuda")
     monkeypatch.setattr(bsa, "shared_memory_limit", lambda device: 232_448)
+    monkeypatch.setattr(bsa, "hopper_or_newer", lambda device: True)
     assert fit_tiles(DEFAULT_TILES, 128, 128, 2, cuda, shrink=True) == (DEFAULT_TILES, 128)
     assert fit_tiles(SMALL_TILES, 64, 256, 2, cuda, shrink=False) == (SMALL_TILES, 64)  # (2 x 2 x 64 + 64) x 512
     # 3 -> 2 stages: 327,680; half the chunk: (2 x 2 x 64 + 128) x 256 x 2 = 196,608
@@ -213,6 +214,34 @@ def test_tiles_fit_the_gpus_shared_memory(monkeypatch):
     assert fit_tiles(DEFAULT_TILES, 128, 256, 2, cuda, shrink=True) == (DEFAULT_TILES, 128)
 
 
+def test_tiles_fit_gpus_before_hopper_with_one_stage_fewer(monkeypatch):
+    """Below compute capability 9 Triton's pipeline keeps num_stages - 1 K/V buffers (at least one):
+    the defaults at head dim 128 in bf16 take (2 x 2 x 128 + 128) x 128 x 2 = 163,840 bytes there
+    (what Triton 3.6 compiles for sm_80), within an A100's 166,912 with the slack, so they are kept
+    (the Hopper estimate, 229,376 + 1,024, would drop a stage there); an RTX 4090's 101,376 keeps 2 stages of
+    128 x 128 (98,304). Where nothing fits, the error names the bytes; a planned call (no shrink)
+    says to plan with smaller tiles."""
+    from elasticfw.errors import BackendUnavailableError
+    from elasticfw.kernels import block_sparse_attention as bsa
+    from elasticfw.kernels.block_sparse_attention import DEFAULT_TILES, Tiles, fit_tiles, pipeline_bytes
+
+    cuda = torch.device("cuda")
+    assert pipeline_bytes(128, 128, 3, 128, 2, hopper=False) == 163_840
+    assert pipeline_bytes(128, 128, 1, 128, 2, hopper=False) == pipeline_bytes(128, 128, 2, 128, 2, hopper=False)
+    assert pipeline_bytes(128, 128, 3, 128, 2) == 229_376
+    monkeypatch.setattr(bsa, "hopper_or_newer", lambda device: False)
+    monkeypatch.setattr(bsa, "shared_memory_limit", lambda device: 166_912)
+    assert fit_tiles(DEFAULT_TILES, 128, 128, 2, cuda, shrink=True) == (DEFAULT_TILES, 128)
+    monkeypatch.setattr(bsa, "shared_memory_limit", lambda device: 101_376)
+    assert fit_tiles(Tiles(128, 128, 8, 2), 128, 128, 2, cuda, shrink=True) == (Tiles(128, 128, 8, 2), 128)
+    assert fit_tiles(DEFAULT_TILES, 128, 128, 2, cuda, shrink=True) == (Tiles(128, 128, 8, 2), 128)
+    monkeypatch.setattr(bsa, "shared_memory_limit", lambda device: 65_536)  # float32, 256: 99,328 at the least
+    with pytest.raises(BackendUnavailableError, match="need 99328 bytes of shared memory, above this GPU's 65536"):
+        fit_tiles(DEFAULT_TILES, 128, 256, 4, cuda, shrink=True)
+    with pytest.raises(BackendUnavailableError, match="plan with smaller ones"):
+        fit_tiles(DEFAULT_TILES, 128, 256, 4, cuda, shrink=False)
+
+
 @pytest.mark.parametrize("merge", ["passes", "entries"])
 def test_gathered_attention_in_fitted_tiles_matches_the_definition(merge, monkeypatch):
     """Where the tiles are shrunk to fit (a limit of 20,000 bytes forced on the CPU: 32-row tiles of
@@ -221,6 +250,7 @@ def test_gathered_attention_in_fitted_tiles_matches_the_definition(merge, monkey
     from elasticfw.kernels.gather_attention import gathered_selection_attention
 
     monkeypatch.setattr(bsa, "shared_memory_limit", lambda device: 20_000)
+    monkeypatch.setattr(bsa, "hopper_or_newer", lambda device: True)
     assert bsa.fit_tiles(bsa.DEFAULT_TILES, 128, 32, 4, torch.device("cpu"), shrink=True) == (
         bsa.Tiles(32, 128, 8, 1), 32)
     seq = _seq([0, 9], [160, 150], 140, 160)

@@ -27,6 +27,7 @@ __all__ = [
     "interpreting",
     "next_pow2",
     "shared_memory_budget",
+    "hopper_or_newer",
     "shared_memory_limit",
     "triton_unavailable",
     "unsupported_tensor",
@@ -68,6 +69,19 @@ def shared_memory_budget(device: torch.device, cap: int) -> int:
     index = device.index if device.index is not None else torch.cuda.current_device()
     optin = _shared_memory_optin(index)
     return cap if optin is None else min(cap, optin - SHARED_MEMORY_RESERVE)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def hopper_or_newer(device: torch.device) -> bool:
+    """Whether ``device`` is a GPU of compute capability 9.0 or above (Triton's pipelines keep
+    ``num_stages`` K/V buffers there, one fewer below; :func:`~elasticfw.kernels.block_sparse_attention.pipeline_bytes`)."""
+    if device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
 
 
 def shared_memory_limit(device: torch.device) -> int | None:

@@ -50,7 +50,14 @@ import triton.language as tl
 from elasticfw.attention.layout import BlockLayout, RowSelection
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
-from elasticfw.kernels import cdiv, interpreting, next_pow2, shared_memory_limit, unsupported_tensor
+from elasticfw.kernels import (
+    cdiv,
+    hopper_or_newer,
+    interpreting,
+    next_pow2,
+    shared_memory_limit,
+    unsupported_tensor,
+)
 
 if TYPE_CHECKING:  # the planning module imports this one: plan_work is imported where it is called
     from elasticfw.kernels.work_lists import WorkPlan
@@ -65,6 +72,7 @@ __all__ = [
     "kv_descriptors",
     "load_rows",
     "layout_selection",
+    "planned_tiles",
     "row_selection_attention",
     "unsupported",
     "unsupported_layout",
@@ -120,37 +128,62 @@ def default_tiles(selection: RowSelection) -> Tiles:
 #: shared memory Triton holds beyond :func:`pipeline_bytes` (measured on an H100: 459,776 bytes asked
 #: for 128 x 128 tiles, 3 stages, head dim 256 in bf16, where the estimate is 458,752)
 SMEM_SLACK = 1024
+#: the smallest rows and key chunk :func:`fit_tiles` shrinks to
+MIN_FIT_BLOCK = 32
 
 
-def pipeline_bytes(block_m: int, block_n: int, num_stages: int, d_pad: int, itemsize: int) -> int:
-    """Shared memory of a kernel's operands: ``num_stages`` K and V chunks of ``block_n`` keys and
-    one tile of ``block_m`` query rows, ``d_pad`` columns each."""
-    return (num_stages * 2 * block_n + block_m) * d_pad * itemsize
+def pipeline_bytes(block_m: int, block_n: int, num_stages: int, d_pad: int, itemsize: int, *,
+                   hopper: bool = True) -> int:
+    """Shared memory of a kernel's operands: one tile of ``block_m`` query rows and the K and V
+    chunks of ``block_n`` keys its pipeline keeps, ``d_pad`` columns each: ``num_stages`` of them on
+    Hopper, ``num_stages - 1`` (at least one) on earlier GPUs (what Triton 3.6 compiles to: 163,840
+    bytes for 128 x 128 tiles, 3 stages, head dim 128 in bf16 for sm_80 and sm_89, 229,376 for sm_90;
+    ``metadata.shared`` of the kernels compiled for each target)."""
+    buffers = num_stages if hopper else max(num_stages - 1, 1)
+    return (buffers * 2 * block_n + block_m) * d_pad * itemsize
 
 
 def fit_tiles(tiles: Tiles, block_n: int, d_pad: int, itemsize: int, device: torch.device, *,
               shrink: bool) -> tuple[Tiles, int]:
     """``(tiles, block_n)`` within the GPU's shared memory (:func:`~elasticfw.kernels.shared_memory_limit`,
-    with :data:`SMEM_SLACK`): fewer stages down to 2, then (``shrink``: a kernel whose work was not
-    planned for these tiles) half the key chunk and then half the rows down to 32 each, then one
-    stage. Unchanged where they fit, as the 128-dim defaults do on Hopper, and off a GPU. Head dim
-    256 (Gemma's) in 16-bit asks 459,776 bytes at the defaults, beyond an H100's 232,448."""
+    with :data:`SMEM_SLACK`): fewer stages down to 2, then (``shrink``: a kernel whose work is not yet
+    planned for these tiles) half the key chunk and then half the rows down to
+    :data:`MIN_FIT_BLOCK` each, then one stage. Unchanged where they fit, as the 128-dim defaults do
+    on Hopper, and off a GPU. Head dim 256 (Gemma's) in 16-bit asks 459,776 bytes at the defaults,
+    beyond an H100's 232,448. Raises :class:`~elasticfw.errors.BackendUnavailableError` where even
+    the smallest of these does not fit (:func:`unsupported` says so beforehand)."""
     limit = shared_memory_limit(device)
+    if limit is None:
+        return tiles, block_n
+    hopper = hopper_or_newer(device)
     block_m, stages = tiles.block_m, tiles.num_stages
-    while limit is not None and pipeline_bytes(block_m, block_n, stages, d_pad, itemsize) + SMEM_SLACK > limit:
+    while pipeline_bytes(block_m, block_n, stages, d_pad, itemsize, hopper=hopper) + SMEM_SLACK > limit:
         if stages > 2:
             stages -= 1
-        elif shrink and block_n > 32:
+        elif shrink and block_n > MIN_FIT_BLOCK:
             block_n //= 2
-        elif shrink and block_m > 32:
+        elif shrink and block_m > MIN_FIT_BLOCK:
             block_m //= 2
         elif stages > 1:
             stages -= 1
         else:
-            break
+            need = pipeline_bytes(block_m, block_n, stages, d_pad, itemsize, hopper=hopper) + SMEM_SLACK
+            raise BackendUnavailableError(
+                f"Triton kernels: tiles of {block_m} rows x {block_n} keys at head dim {d_pad} (padded) in "
+                f"{itemsize}-byte elements need {need} bytes of shared memory, above this GPU's {limit} per block"
+                + ("" if shrink else " (the work was planned for these tiles: plan with smaller ones)")
+            )
     if (block_m, stages) == (tiles.block_m, tiles.num_stages):
         return tiles, block_n
     return replace(tiles, block_m=block_m, num_stages=stages), block_n
+
+
+def planned_tiles(tiles: Tiles, q: torch.Tensor) -> Tiles:
+    """``tiles`` to plan a block-sparse call's work for (:func:`fit_tiles` with ``shrink``, the key
+    chunk included): unchanged where they fit q's GPU at q's head dim and dtype."""
+    fitted, block_n = fit_tiles(tiles, tiles.block_n, max(16, next_pow2(q.shape[-1])), q.element_size(), q.device,
+                                shrink=True)
+    return fitted if block_n == fitted.block_n else replace(fitted, block_n=block_n)
 
 
 def flag_table(selected: torch.Tensor, batch: int) -> torch.Tensor:
@@ -167,6 +200,13 @@ def unsupported(q: torch.Tensor) -> str | None:
         return reason
     if q.shape[-1] > MAX_HEAD_DIM:
         return f"head_dim {q.shape[-1]} is above the Triton block-sparse kernel's {MAX_HEAD_DIM}"
+    limit = shared_memory_limit(q.device)
+    if limit is not None:
+        d_pad, size = max(16, next_pow2(q.shape[-1])), q.element_size()
+        need = pipeline_bytes(MIN_FIT_BLOCK, MIN_FIT_BLOCK, 1, d_pad, size, hopper=hopper_or_newer(q.device))
+        if need + SMEM_SLACK > limit:
+            return (f"head_dim {q.shape[-1]} in {q.dtype} needs {need + SMEM_SLACK} bytes of shared memory at the "
+                    f"smallest tiles, above this GPU's {limit} per block")
     return None
 
 
@@ -327,8 +367,9 @@ def _block_sparse_kernel(
         c = tl.load(masked_ptr + masked_off + e * stride_lc)
         kpos = c * BLOCK_N + n
         grp = (c * BLOCK_N) // group_size  # a group past a narrow table is not selected (a window may reach it)
-        flags = tl.load(s_base + tl.minimum(grp, n_groups - 1) * stride_sg, mask=row_ok, other=0) != 0
-        flags = flags & (grp < n_groups)
+        # (never read past the table: of a table of no groups, no flag at all)
+        in_table = (tl.zeros_like(row_ok.to(tl.int32)) + grp) < n_groups  # (rows,): a scalar mask fails to load
+        flags = tl.load(s_base + tl.minimum(grp, n_groups - 1) * stride_sg, mask=row_ok & in_table, other=0) != 0
         seen_pair = flags[:, None]
         if WINDOW:
             seen_pair = seen_pair | (kpos[None, :] > pos[:, None] - window)
@@ -461,6 +502,7 @@ def _attend(
     if plan is None:
         from elasticfw.kernels.work_lists import plan_work
 
+        tiles = planned_tiles(tiles, q)
         plan = plan_work(selection, seq, tiles)
     elif plan.block_m != tiles.block_m or plan.clean_count.shape != (batch, sel.shape[1], cdiv(q_len, plan.block_m)):
         raise ValueError(

@@ -378,6 +378,7 @@ class FlexExecutor(Executor):
             block_layout_attention,
             default_tiles,
             layout_selection,
+            planned_tiles,
         )
         from elasticfw.kernels.work_lists import plan_work
 
@@ -401,7 +402,8 @@ class FlexExecutor(Executor):
                 return AttentionOutput(out, lse)
         selection = layout_selection(layout)
         assert selection is not None  # _sparse_kernel checked unsupported_layout
-        tiles = default_tiles(selection) if pinned is None else pinned
+        # fitted to the GPU's shared memory before the work is planned for them (head dim 256)
+        tiles = planned_tiles(default_tiles(selection) if pinned is None else pinned, q)
         plan = None
         signature = seq.host_signature()
         if layout.reusable and signature is not None:

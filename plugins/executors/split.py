@@ -438,7 +438,9 @@ class SplitExecutor(Executor):
         hard_host: torch.Tensor | None = None,
     ) -> tuple[list[int], list[int]] | None:
         """(dense query heads, their KV heads) when a routed call splits, else ``None`` (one launch).
-        ``hard_host``: ``hard`` on the CPU when the caller has it (no device read here)."""
+        ``hard_host``: ``hard`` on the CPU when the caller has it (no device read here; without it,
+        every call reads ``hard`` from the device, a synchronisation on a GPU: the model runtime
+        always passes it)."""
         lay_r, lay_s = layouts
         hq, hkv = q.shape[1], k.shape[1]
         if hard.shape != (q.shape[0], hq):
