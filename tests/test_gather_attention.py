@@ -15,6 +15,13 @@ from elasticfw.kernels import triton_unavailable
 
 pytestmark = pytest.mark.skipif(triton_unavailable(torch.device("cpu")) is not None, reason="needs Triton's interpreter")
 
+
+def _qkv(seq, hq, hkv, dim, g):
+    """Standard normal q (B, hq, Sq, dim), k and v (B, hkv, capacity, dim), in that order from ``g``."""
+    q = torch.randn(seq.batch, hq, seq.q_len, dim, generator=g)
+    k = torch.randn(seq.batch, hkv, seq.kv_capacity, dim, generator=g)
+    return q, k, torch.randn(seq.batch, hkv, seq.kv_capacity, dim, generator=g)
+
 CASES = {
     # name: (seq, Hq, Hkv, table heads, D, dtype, groups, group size, density, block_m)
     "prefill": (lambda: SeqInfo.dense(1, 150, 150), 4, 2, 4, 32, torch.float32, 5, 32, 0.4, 32),
@@ -120,9 +127,7 @@ def test_keep_heads_and_unsupported_selections(merge):
 
     seq = _seq([0, 10], [140, 130], 120, 140)
     g = torch.Generator().manual_seed(3)
-    q = torch.randn(2, 4, 120, 16, generator=g)
-    k = torch.randn(2, 2, 140, 16, generator=g)
-    v = torch.randn(2, 2, 140, 16, generator=g)
+    q, k, v = _qkv(seq, 4, 2, 16, g)
     shared = torch.rand(1, 1, 120, 5, generator=g) < 0.5
     keep = torch.tensor([[True, False, True, False]])
     out, lse = gathered_selection_attention(q, k, v, RowSelection(shared, 32), seq, scale=0.25, keep_heads=keep,
@@ -147,9 +152,7 @@ def test_flags_of_any_nonzero_value_select_once(merge):
 
     seq = _seq([0, 7], [120, 110], 100, 120)
     g = torch.Generator().manual_seed(5)
-    q = torch.randn(2, 2, 100, 16, generator=g)
-    k = torch.randn(2, 1, 120, 16, generator=g)
-    v = torch.randn(2, 1, 120, 16, generator=g)
+    q, k, v = _qkv(seq, 2, 1, 16, g)
     flags = torch.randint(0, 3, (2, 2, 100, 4), generator=g).to(torch.uint8) * torch.tensor([1, 2, 5, 2], dtype=torch.uint8)
     assert (flags > 1).any()
     out, lse = gathered_selection_attention(q, k, v, RowSelection(flags, 32), seq, scale=0.25, merge=merge,
@@ -255,9 +258,7 @@ def test_gathered_attention_in_fitted_tiles_matches_the_definition(merge, monkey
         bsa.Tiles(32, 128, 8, 1), 32)
     seq = _seq([0, 9], [160, 150], 140, 160)
     g = torch.Generator().manual_seed(8)
-    q = torch.randn(2, 4, 140, 32, generator=g)
-    k = torch.randn(2, 2, 160, 32, generator=g)
-    v = torch.randn(2, 2, 160, 32, generator=g)
+    q, k, v = _qkv(seq, 4, 2, 32, g)
     selected = torch.rand(2, 2, 140, 3, generator=g) < 0.5
     out, lse = gathered_selection_attention(q, k, v, RowSelection(selected, 64), seq, scale=0.2, merge=merge)
     ref_out, ref_lse = _brute(q, k, v, selected, 64, seq, 0.2)
