@@ -115,3 +115,34 @@ def test_decode_kernel_errors_name_the_problem():
         for checked in (False, True):
             with pytest.raises(ValueError, match="v must have k's shape"):
                 decode_attention(q, k, other, sel, seq, scale=1.0, checked=checked)
+
+
+def test_chunks_narrow_where_the_gpus_shared_memory_is_short(monkeypatch):
+    """Float32 at head dim 256 with 64-key groups: 64-key chunks ask (2 x 64 + 16) x 256 x 4 + 8,192
+    = 155,648 bytes, above an RTX 4090's 101,376 (Triton's compiled figure 151,616), so the kernel
+    reads 32-key chunks ((2 x 32 + 16) x 256 x 4 + 8,192 = 90,112) there, and 64-key ones under an
+    H100's 232,448; either way the output meets the float64 definition."""
+    import elasticfw.kernels.decode_attention as dec
+
+    assert dec.split_kernel_bytes(64, 16, 256, 4) == 155_648 and dec.split_kernel_bytes(32, 16, 256, 4) == 90_112
+    seq = _seq([190, 120], [191, 121], 1, 192)
+    q, k, v = _decode_inputs(seq, 4, 2, 256, torch.float32, seed=11)
+    selected = torch.rand(2, 2, 1, 3, generator=torch.Generator().manual_seed(4)) < 0.6
+    selection = RowSelection(selected, 64, row_block=1, window=0)
+    ref_out, ref_lse = _brute(q, k, v, selected, 64, seq, 0.0625)
+    real = dec._decode_split_kernel
+    widths: list[int] = []
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                widths.append(kw["BLOCK_N"])
+                return real[grid](*a, **kw)
+            return launch
+
+    monkeypatch.setattr(dec, "_decode_split_kernel", Recording())
+    for limit, chunk in ((101_376, 32), (232_448, 64)):
+        monkeypatch.setattr(dec, "shared_memory_limit", lambda device, limit=limit: limit)
+        out, lse = dec.decode_attention(q, k, v, selection, seq, scale=0.0625)
+        assert widths.pop() == chunk and not widths
+        _check(out, lse, ref_out, ref_lse, 1e-5)

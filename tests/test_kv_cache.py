@@ -324,3 +324,55 @@ def test_layers_kept_dense_and_errors():
     with pytest.raises(ElasticError, match="has not been compacted"):
         cache.kept_tokens(1)
     assert isinstance(cache.layers[1], ElasticKVLayer)
+
+
+def test_a_decode_mask_other_than_the_prefills_extended_is_refused():
+    """The compact cache holds each sample's real tokens as the prefill's mask said; a decode step
+    whose mask says otherwise would be read differently by the full cache, so it is refused (it was
+    silently ignored): a key of sample 1 masked after the prefill (the full cache then drops it:
+    other logits), no mask after a padded prefill (the full cache reads every key as real), a
+    right-padded prompt (a hole once tokens follow). The prefill's mask extended by ones runs, and
+    its logits equal the full cache's (the independent answer)."""
+    ids, mask = left_padded([30, 20], seed=3)
+    token = torch.tensor([[7], [9]])
+    ones = torch.ones(2, 1, dtype=mask.dtype)
+
+    def step(kv_cache, prompt_mask, step_mask, inputs=ids):
+        elastic = ElasticModel(tiny_model("llama"), section(MIXED, kv_cache))
+        cache = elastic.make_kv_cache() if kv_cache == "compact" else None
+        with torch.no_grad():
+            cache = elastic(input_ids=inputs, attention_mask=prompt_mask, cache=cache, use_cache=True).past_key_values
+            return elastic(input_ids=token, attention_mask=step_mask, cache=cache, use_cache=True).logits
+
+    extended = torch.cat([mask, ones], dim=1)
+    torch.testing.assert_close(step("compact", mask, extended), step("full", mask, extended), rtol=1e-4, atol=1e-5)
+    changed = extended.clone()
+    changed[1, 10] = 0  # sample 1's first real token, dropped after the prefill: still one run of real tokens
+    assert not torch.allclose(step("full", mask, changed)[1], step("full", mask, extended)[1], atol=1e-3)
+    with pytest.raises(UnsupportedInputError, match="mask of the prefill extended by ones"):
+        step("compact", mask, changed)
+    with pytest.raises(UnsupportedInputError, match=r"no attention mask .* real tokens of 31"):
+        step("compact", mask, None)
+    right_ids, right_mask = padded_batch([30, 20], side="right", seed=3)
+    with pytest.raises(UnsupportedInputError, match="mask of the prefill extended by ones"):
+        step("compact", right_mask, torch.cat([right_mask, ones], dim=1), inputs=right_ids)
+
+
+def test_a_prefill_under_inference_mode_then_a_step_outside_it_is_named():
+    """The stores made under torch.inference_mode cannot be written outside it: a named error, not
+    torch's; every step under it runs and equals the full cache's logits."""
+    ids, mask = left_padded([40, 25], seed=4)
+    token = torch.tensor([[5], [6]])
+    step_mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+    logits = {}
+    for kv_cache in ("full", "compact"):
+        elastic = ElasticModel(tiny_model("llama"), section(MIXED, kv_cache))
+        cache = elastic.make_kv_cache() if kv_cache == "compact" else None
+        with torch.inference_mode():
+            cache = elastic(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True).past_key_values
+            logits[kv_cache] = elastic(input_ids=token, attention_mask=step_mask, cache=cache, use_cache=True).logits
+        if kv_cache == "compact":
+            with torch.no_grad(), pytest.raises(UnsupportedInputError, match="inference_mode"):
+                elastic(input_ids=token, attention_mask=torch.cat([step_mask, step_mask[:, :1]], dim=1), cache=cache,
+                        use_cache=True)
+    torch.testing.assert_close(logits["compact"], logits["full"], rtol=1e-4, atol=1e-5)

@@ -40,7 +40,7 @@ import triton.language as tl
 from elasticfw.attention.layout import RowSelection
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
-from elasticfw.kernels import cdiv, interpreting, next_pow2, unsupported_tensor
+from elasticfw.kernels import cdiv, interpreting, next_pow2, shared_memory_limit, unsupported_tensor
 from elasticfw.kernels.block_sparse_attention import MAX_HEAD_DIM, attend_chunk, load_rows
 
 __all__ = ["decode_attention", "num_splits", "unsupported"]
@@ -50,6 +50,15 @@ _LOG2E = 1.4426950408889634
 MAX_BLOCK_N = 64
 #: the most chunks one program's range holds (its flags and their compaction live in registers)
 MAX_CHUNKS_PER_SPLIT = 256
+#: shared memory the split kernel holds beyond one K chunk, one V chunk and the query tile (the
+#: kernels compiled for sm_80 / sm_89 / sm_90 asked at most 4,160 bytes more; twice that as margin)
+SMEM_MARGIN = 8192
+
+
+def split_kernel_bytes(block_n: int, block_h: int, d_pad: int, itemsize: int) -> int:
+    """Shared memory of the split kernel: a K and a V chunk of ``block_n`` keys and the query tile of
+    ``block_h`` rows, ``d_pad`` columns each, and :data:`SMEM_MARGIN`."""
+    return (2 * block_n + block_h) * d_pad * itemsize + SMEM_MARGIN
 
 
 def unsupported(q: torch.Tensor, *selections: RowSelection) -> str | None:
@@ -289,6 +298,12 @@ def decode_attention(
     use_b, u_b, u_h = _heads(second_heads, batch, hq, "second_heads", q.device, False)
     keep, e_b, e_h = _heads(keep_heads, batch, hq, "keep_heads", q.device, True)
     block_n = _chunk(selections)
+    d_pad, block_h = max(16, next_pow2(dim)), max(16, next_pow2(hq // hkv))
+    limit = shared_memory_limit(q.device)
+    # narrower chunks where the GPU's shared memory is short (float32 at head dim 256: 64-key chunks
+    # ask 151,616 bytes, above an RTX 4090's 101,376); half a power of two dividing the groups divides them
+    while limit is not None and block_n > 16 and split_kernel_bytes(block_n, block_h, d_pad, q.element_size()) > limit:
+        block_n //= 2
     chunks = cdiv(seq.kv_capacity, block_n)
     if splits is None:
         splits = num_splits(q.device, batch * hkv, chunks)
@@ -305,7 +320,6 @@ def decode_attention(
     q_start, kv_len = seq.q_start, seq.kv_len
     if not (q_start.is_contiguous() and kv_len.is_contiguous()):
         q_start, kv_len = q_start.contiguous(), kv_len.contiguous()
-    d_pad = max(16, next_pow2(dim))
     _decode_split_kernel[(splits, hkv, batch)](
         q, k, v, sel_a, sel_b, use_b, keep, q_start, kv_len, work, partials * dim, partials * (dim + 1),
         q.stride(0), q.stride(1), q.stride(3), *k.stride(), *v.stride(),
@@ -313,7 +327,7 @@ def decode_attention(
         selection.group_size, selection.window, hq // selection.selected.shape[1], groups_a,
         b_sel.group_size, b_sel.window, hq // b_sel.selected.shape[1], groups_b,
         hq, group, per_split, splits, scale * _LOG2E,
-        HEAD_DIM=dim, D_PAD=d_pad, BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n,
+        HEAD_DIM=dim, D_PAD=d_pad, BLOCK_H=block_h, BLOCK_N=block_n,
         CHUNKS=max(16, next_pow2(per_split)), TWO=second is not None, IEEE=q.dtype == torch.float32,
         UPCAST=interpreting() and q.dtype != torch.float32, num_warps=4, num_stages=2,
     )

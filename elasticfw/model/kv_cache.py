@@ -326,6 +326,12 @@ class ElasticKVLayer(DynamicLayer):
             raise ElasticError(f"compact KV cache, layer {self.layer_idx}: attention without a preceding update")
         k_new, v_new = self._incoming
         self._incoming = None
+        if self.stores and self.stores[0].keys.is_inference() and not torch.is_inference_mode_enabled():
+            raise UnsupportedInputError(
+                f"compact KV cache, layer {self.layer_idx}: the prefill ran under torch.inference_mode and this "
+                "step does not, so the cache's tensors cannot be written: run every step under inference_mode, "
+                "or none"
+            )
         batch, hq, steps, _ = q.shape
         hkv = k_new.shape[1]
         self._check_new_tokens(info, steps)
@@ -414,18 +420,35 @@ class ElasticKVLayer(DynamicLayer):
         return result
 
     def _check_new_tokens(self, info: KeyPaddingInfo | None, steps: int) -> None:
-        """The new tokens must be real and last (generate appends them so); checked once per mask."""
-        if info is None or info is self._checked_mask:
+        """The attention mask must be the prefill's extended by ones for the new tokens (generate
+        appends them so): each sample's real tokens are its last ``lengths[b] + steps`` keys, as the
+        stores hold them; a mask that says otherwise (changed after the prefill, padding inside or
+        after a continuation, none after a padded prefill) would be read differently by the full
+        cache, so it is refused. Checked once per mask object (one device read)."""
+        if info is not None and info is self._checked_mask:
             return
-        if info.kv_length != self.total or info.query_index != self.total - steps:
+        if info is not None and (info.kv_length != self.total or info.query_index != self.total - steps):
             raise UnsupportedInputError(
                 f"compact KV cache, layer {self.layer_idx}: the attention mask covers {info.kv_length} keys with "
                 f"queries at {info.query_index}, but the cache holds {self.total} tokens ending with these {steps}"
             )
-        if info.key_mask is not None and not bool(info.key_mask[:, -steps:].all()):
+        key_mask = None if info is None else info.key_mask
+        if key_mask is None:
+            if any(n + steps != self.total for n in self.lengths):
+                raise UnsupportedInputError(
+                    f"compact KV cache, layer {self.layer_idx}: this step has no attention mask (every key real), "
+                    f"but the samples hold {[n + steps for n in self.lengths]} real tokens of {self.total} (the "
+                    "prefill was padded): pass the prefill's attention mask extended by ones for the new tokens"
+                )
+            return
+        assert self.lengths_t is not None  # attend checked it
+        real = self.lengths_t.to(key_mask.device) + steps
+        expected = torch.arange(self.total, device=key_mask.device)[None, :] >= (self.total - real)[:, None]
+        if not torch.equal(key_mask.to(torch.bool), expected):
             raise UnsupportedInputError(
-                "the compact KV cache needs every token after the prefill to be real (attention_mask 1): "
-                "padding inside or after a continuation is not supported"
+                "the compact KV cache needs the attention mask of the prefill extended by ones for the new tokens "
+                "(each sample's real tokens last and contiguous): a mask changed after the prefill, or padding "
+                "inside or after a continuation, is not supported"
             )
         self._checked_mask = info
 
