@@ -207,7 +207,9 @@ def _cmd_bench_targets(args: argparse.Namespace) -> int:
     path, targets = write_targets(Path(args.folder), out=Path(args.out) if args.out else None)
     for t in targets:
         value = "missing" if t["value"] is None else f"{t['value']:.4g}"
-        print(f"{'met ' if t['met'] else 'NOT '} {t['figure']}: {value} (target {t['target']:.4g}; {t['source']})")
+        target = "none" if t["target"] is None else f"{t['target']:.4g}"
+        note = f"; {t['note']}" if t.get("note") else ""
+        print(f"{'met ' if t['met'] else 'NOT '} {t['figure']}: {value} (target {target}; {t['source']}{note})")
     print(f"wrote {path}")
     return 0
 

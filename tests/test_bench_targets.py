@@ -15,8 +15,16 @@ def _att(name, kind, ms, seq=L, **extra):
     return {"seq": seq, "name": name, "kind": kind, "ms": ms, "error": None, **extra}
 
 
+#: the setup of the table's figures (the Llama-3.1-8B attention shape in bf16, structured inputs)
+SETUP = {
+    "shape": {"batch": 1, "q_heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bf16", "causal": True},
+    "inputs": {"kind": "structured"},
+    "modes": {"streaming": {"sink_tokens": 128, "local_tokens": 2048, "block_size": 64}, "full": None},
+    "environment": {"gpu": "NVIDIA H200", "git_commit": "abc123"},
+}
 ATTENTION = {
     "benchmark": "elasticfw.bench.attention",
+    **SETUP,
     "results": [
         _att("sdpa_cudnn", "fwd", 250.0),
         _att("sdpa_cudnn", "fwd", 15.0, seq=32768),  # another length: ignored
@@ -37,6 +45,8 @@ ATTENTION = {
 }
 PREFILL = {
     "benchmark": "elasticfw.bench.prefill",
+    "dtype": "bf16",
+    "streaming": {"sink_tokens": 128, "local_tokens": 2048, "block_size": 64},
     "models": {"llama-3.1-8b": {}, "qwen3-8b": {}},
     "results": [
         {"model": "qwen3-8b", "seq": L, "variant": "elastic:split:msr=0", "speedup": 5.0, "error": None},
@@ -66,7 +76,9 @@ def test_every_figure_from_hand_written_jsons():
                                     "k.json": DENSITY, "other.json": {"unrelated": 1}}))
     assert len(got) == len(FIGURES) + 3
     for t in got.values():
-        assert set(t) == {"figure", "value", "target", "met", "source"}
+        assert set(t) == {"figure", "value", "target", "met", "source", "gpu", "git_commit"}
+    assert got["NSA planning @128K / dense"]["gpu"] == "NVIDIA H200"
+    assert got["NSA planning @128K / dense"]["git_commit"] == "abc123"
 
     def check(figure, value, target, met, source):
         t = got[figure]
@@ -128,10 +140,69 @@ def test_cli_bench_router_and_targets(tmp_path, capsys):
 def test_a_prefill_run_of_another_model_answers_no_figure():
     """The issue's model figures are Llama-3.1-8B's: a Qwen3-8B run in the folder (sorted after the
     Llama one) must not replace them."""
-    llama = {"benchmark": "elasticfw.bench.prefill", "models": {"llama-3.1-8b": {}}, "results": [
+    llama = {"benchmark": "elasticfw.bench.prefill", "dtype": "bf16", "models": {"llama-3.1-8b": {}}, "results": [
         {"model": "llama-3.1-8b", "seq": 131072, "variant": "elastic:split:msr=0", "speedup": 0.99, "error": None}]}
-    qwen = {"benchmark": "elasticfw.bench.prefill", "models": {"qwen3-8b": {}}, "results": [
+    qwen = {"benchmark": "elasticfw.bench.prefill", "dtype": "bf16", "models": {"qwen3-8b": {}}, "results": [
         {"model": "qwen3-8b", "seq": 131072, "variant": "elastic:split:msr=0", "speedup": 0.5, "error": None}]}
     (entry,) = [t for t in build_targets({"a.json": llama, "b.json": qwen}) if t["figure"].startswith(
         "model prefill @128K, MSR 0")]
     assert (entry["value"], entry["source"], entry["met"]) == (0.99, "a.json", True)
+
+
+def _figure(targets, start):
+    (entry,) = [t for t in targets if t["figure"].startswith(start)]
+    return entry
+
+
+FA_SSA = "layer, FA-SSA (sink 128, local 2048)"
+
+
+def test_a_run_without_its_128k_rows_answers_no_128k_figure():
+    """The figures are at 128K: a run whose 128K baseline errored must not report its 32K rows
+    (it did: 0.1, met, from a 32K row under the figure's "@128K")."""
+    rows = [{**_att("sdpa_cudnn", "fwd", None), "error": "OutOfMemoryError"}, _att("sdpa_cudnn", "fwd", 15.0, seq=32768),
+            _att("split:hybrid(full+streaming,msr=0.875)", "fwd", 1.5, seq=32768),
+            _att("split:hybrid(full+streaming,msr=0.875)", "fwd", 40.0)]
+    entry = _figure(build_targets({"a.json": {**ATTENTION, "results": rows}}), FA_SSA)
+    assert entry["value"] is None and entry["met"] is False
+
+
+def test_a_mode_layer_takes_its_limit_from_its_own_runs_esr():
+    """The NSA layer's limit is 1.15 (1 - ESR) + 0.15 with the ESR of the JSON its value comes from:
+    not another JSON's (b.json's 0.9 gave a limit of 0.265), and no ESR (an esr_error) means no limit
+    and not met (it counted as ESR 0: a limit of 1.3, met at 0.92)."""
+    nsa = "xattention / moba / nsa layer @128K (plan + kernel) / dense [nsa]"
+    a = {**ATTENTION, "results": [_att("sdpa_cudnn", "fwd", 250.0), _att("layout:nsa", "layout", 30.0, esr_mean=0.2),
+                                  _att("mode:nsa", "fwd", 170.0)]}
+    b = {**ATTENTION, "results": [_att("sdpa_cudnn", "fwd", 250.0), _att("layout:nsa", "layout", 30.0, esr_mean=0.9)]}
+    entry = _by_figure(build_targets({"a.json": a, "b.json": b}))[nsa]
+    assert entry["source"] == "a.json" and entry["value"] == pytest.approx(0.8)
+    assert entry["target"] == pytest.approx(1.15 * 0.8 + 0.15) and entry["met"] is True
+    no_esr = {**a, "results": [_att("sdpa_cudnn", "fwd", 250.0), _att("layout:nsa", "layout", 30.0, esr_error="x"),
+                               _att("mode:nsa", "fwd", 200.0)]}
+    entry = _by_figure(build_targets({"a.json": no_esr}))[nsa]
+    assert entry["value"] == pytest.approx(0.92) and entry["target"] is None and entry["met"] is False
+    assert "no ESR" in entry["note"]
+
+
+def test_figures_of_a_run_whose_checks_failed_are_not_met():
+    rows = [{**_att("check:split:streaming:routed_first_full", "check", None, seq=4096), "error": "out rel RMS 0.41"},
+            _att("sdpa_cudnn", "fwd", 250.0), _att("split:hybrid(full+streaming,msr=0.875)", "fwd", 30.0)]
+    entry = _figure(build_targets({"a.json": {**ATTENTION, "results": rows}}), FA_SSA)
+    assert entry["value"] == pytest.approx(0.12) and entry["met"] is False
+    assert "check:split:streaming:routed_first_full" in entry["note"]
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"shape": {**SETUP["shape"], "q_heads": 4}}, "attention shape"),
+    ({"shape": {**SETUP["shape"], "dtype": "fp32"}}, "attention shape"),
+    ({"inputs": {"kind": "random"}}, "structured"),
+    ({"modes": {"streaming": {"sink_tokens": 4, "local_tokens": 256}}}, "streaming"),
+])
+def test_a_run_of_another_setup_answers_no_figure(change, reason):
+    """The figures name their setup (the Llama-3.1-8B attention shape, bf16, structured inputs,
+    sink 128 / local 2048): a run of another gives no value, with the reason."""
+    entry = _figure(build_targets({"a.json": {**ATTENTION, **change}}), FA_SSA)
+    assert entry["value"] is None and entry["met"] is False and reason in entry["note"]
+    prefill = _figure(build_targets({"p.json": {**PREFILL, "dtype": "fp32"}}), "model prefill @128K, MSR 0")
+    assert prefill["value"] is None and "prefill dtype" in prefill["note"]

@@ -34,7 +34,8 @@ per query-key pair) is recorded as a failure.
 
 One entry failing records its error in the JSON and the run goes on; the exit status is 1 if
 anything failed. The JSON records GPU, torch/triton/transformers/cuDNN versions, the git commit
-(``git rev-parse HEAD``, else the environment variable ``ELASTICFW_COMMIT``) and the date.
+(the environment variable ``ELASTICFW_COMMIT`` where set, as a device copy without the repository's
+history sets it, else ``git rev-parse HEAD``) and the date.
 """
 
 from __future__ import annotations

@@ -23,7 +23,12 @@ recognised by its content:
 * the CPU demo (``"benchmark": "demo_cpu"``, or any JSON with ``rows`` labelled ``full`` and
   ``all-streaming`` holding ``seconds``, as ``results/demo-cpu.json``): all-streaming / full time.
 
-A figure whose JSON or row is missing (or errored) gets ``value: null`` and ``met: false``.
+A figure whose JSON or row is missing (or errored) gets ``value: null`` and ``met: false``; so does
+a figure of a run whose setup is not the table's (:func:`setup_mismatch`: the Llama-3.1-8B attention
+shape in bf16, structured inputs, streaming with sink 128 / local 2048), with the reason in
+``note``. A mode's layer takes its limit from the ESR of the same JSON (none: no limit, not met).
+A figure of an attention run whose correctness checks failed is not met (``note`` names them).
+Each entry also carries its source's ``gpu`` and ``git_commit``.
 """
 
 from __future__ import annotations
@@ -80,10 +85,43 @@ def _ms(rows: list[dict[str, Any]], name: str, kind: str, seq: int) -> float | N
     return None
 
 
+#: the setup the table's figures are of (the issue: Llama-3.1-8B attention, bf16, batch 1)
+SHAPE = {"batch": 1, "q_heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bf16"}
+STREAMING = {"sink_tokens": 128, "local_tokens": 2048}
+
+
+def setup_mismatch(kind: str, data: dict[str, Any]) -> str | None:
+    """Why a benchmark JSON's setup is not the one the table's figures are of, or ``None``: the
+    attention benchmark's shape, inputs (structured) and streaming window; the prefill benchmark's
+    dtype and streaming window. Other JSONs (router, density, demo) carry their own setup."""
+    if kind == "elasticfw.bench.attention":
+        shape = data.get("shape") or {}
+        wrong = {k: shape.get(k) for k, v in SHAPE.items() if shape.get(k) != v}
+        if wrong:
+            return f"attention shape {wrong}, not the table's {SHAPE}"
+        inputs = data.get("inputs")
+        if not (isinstance(inputs, dict) and inputs.get("kind") == "structured"):
+            return "attention inputs are not the structured generator's (data-dependent modes need them)"
+        streaming = (data.get("modes") or {}).get("streaming")
+    elif kind == "elasticfw.bench.prefill":
+        if data.get("dtype") != SHAPE["dtype"]:
+            return f"prefill dtype {data.get('dtype')!r}, not {SHAPE['dtype']!r}"
+        streaming = data.get("streaming")
+    else:
+        return None
+    if streaming is not None and any(streaming.get(k) != v for k, v in STREAMING.items()):
+        return f"streaming {({k: streaming.get(k) for k in STREAMING})}, not the table's {STREAMING}"
+    return None
+
+
+def _failed_checks(data: dict[str, Any]) -> list[str]:
+    """The attention run's correctness checks that failed (rows of kind ``check`` with an error)."""
+    return sorted(r.get("name", "?") for r in data.get("results", []) if r.get("kind") == "check" and r.get("error"))
+
+
 def _attention(data: dict[str, Any]) -> dict[str, float | None]:
     rows = data.get("results", [])
-    seqs = [r["seq"] for r in rows if r.get("name") == "sdpa_cudnn" and r.get("ms") is not None]
-    seq = LONG if LONG in seqs else (max(seqs) if seqs else LONG)
+    seq = LONG  # the table's figures are at 128K: a run without its 128K rows answers none of them
     base = _ms(rows, "sdpa_cudnn", "fwd", seq)
     out: dict[str, float | None] = {}
 
@@ -108,8 +146,12 @@ def _attention(data: dict[str, Any]) -> dict[str, float | None]:
         kernels = [m for m in (_ms(rows, f"{p}:{mode}", "fwd", seq) for p in ("split", "flex")) if m is not None]
         kernel = whole if whole is not None else (min(kernels) if kernels else None)
         out[f"layer:{mode}"] = ratio(plan + kernel) if plan is not None and kernel is not None else None
-        esr_row: dict[str, Any] = next((r for r in rows if r.get("name") == f"layout:{mode}" and r.get("seq") == seq), {})
-        out[f"esr:{mode}"] = esr_row.get("esr_mean")
+        esr_row: dict[str, Any] = next(
+            (r for r in rows if r.get("name") == f"layout:{mode}" and r.get("seq") == seq and r.get("error") is None), {}
+        )
+        esr = esr_row.get("esr_mean")
+        # the limit of this run's layer: 1.15 x (1 - ESR) + the planning target, from this run's ESR
+        out[f"limit:{mode}"] = None if esr is None else 1.15 * (1.0 - float(esr)) + PLANNING[mode][1]
     return out
 
 
@@ -178,32 +220,56 @@ SOURCES: dict[str, tuple[str, str]] = {
 
 
 def build_targets(jsons: dict[str, Any]) -> list[dict[str, Any]]:
-    """One ``{"figure", "value", "target", "met", "source"}`` per figure of issue 10's table, from
-    ``jsons`` (source name -> loaded JSON). When two JSONs of one kind hold a value, the later
-    name (sorted) wins."""
+    """One ``{"figure", "value", "target", "met", "source", "gpu", "git_commit"}`` (and ``note`` where
+    a figure is not met for a reason other than its value) per figure of issue 10's table, from
+    ``jsons`` (source name -> loaded JSON). When two JSONs of one kind hold a value, the later name
+    (sorted) wins."""
     values: dict[tuple[str, str], tuple[float | None, str]] = {}
+    read: dict[str, dict[str, float | None]] = {}
+    mismatches: dict[str, str] = {}  # source -> why its setup is not the table's: no figure from it
+    failures: dict[str, str] = {}  # source -> its failed correctness checks: its figures are not met
     for name in sorted(jsons):
         kind = _kind(jsons[name])
         if kind is None:
             continue
-        for key, value in READERS[kind](jsons[name]).items():
+        read[name] = READERS[kind](jsons[name])
+        mismatch = setup_mismatch(kind, jsons[name])
+        failed = _failed_checks(jsons[name]) if kind == "elasticfw.bench.attention" else []
+        if mismatch is not None:
+            mismatches[name] = mismatch
+        if failed:
+            failures[name] = f"correctness checks failed in this run: {', '.join(failed)}"
+        for key, value in read[name].items():
             if value is not None or (kind, key) not in values:
                 values[(kind, key)] = (value, name)
 
-    def entry(figure: str, target: float, op: str, kind: str, key: str) -> dict[str, Any]:
+    def entry(figure: str, target: float | None, op: str, kind: str, key: str) -> dict[str, Any]:
         value, source = values.get((kind, key), (None, ""))
-        ok = value is not None and math.isfinite(value) and (value <= target if op == "<=" else value >= target)
-        return {"figure": figure, "value": value, "target": target, "met": bool(ok), "source": source}
+        env = (jsons[source].get("environment") or {}) if source else {}
+        note = mismatches.get(source) or failures.get(source)
+        if source in mismatches:
+            value = None  # a figure of another setup is not this figure
+        ok = (note is None and value is not None and target is not None and math.isfinite(value)
+              and (value <= target if op == "<=" else value >= target))
+        row = {"figure": figure, "value": value, "target": target, "met": bool(ok), "source": source,
+               "gpu": env.get("gpu"), "git_commit": env.get("git_commit")}
+        if note is not None:
+            row["note"] = note
+        return row
 
     out = []
     for figure, target, op in FIGURES:
         kind, key = SOURCES[figure]
         out.append(entry(figure, target, op, kind, key))
         if figure.startswith(list(PLANNING.values())[-1][0]):  # after the last planning row: each mode's layer
-            for mode, (_, plan_target) in PLANNING.items():
-                esr, _src = values.get(("elasticfw.bench.attention", f"esr:{mode}"), (None, ""))
-                limit = 1.15 * (1.0 - float(esr if esr is not None else 0.0)) + plan_target  # no ESR: as if dense
-                out.append(entry(MODE_LAYER.format(mode=mode), limit, "<=", "elasticfw.bench.attention", f"layer:{mode}"))
+            for mode in PLANNING:
+                attention = "elasticfw.bench.attention"
+                _, source = values.get((attention, f"layer:{mode}"), (None, ""))
+                limit = read[source].get(f"limit:{mode}") if source else None  # the same run's ESR
+                row = entry(MODE_LAYER.format(mode=mode), limit, "<=", attention, f"layer:{mode}")
+                if limit is None and row["value"] is not None:
+                    row.setdefault("note", "no ESR for this mode's layout in the run: no limit")
+                out.append(row)
     return out
 
 
