@@ -206,3 +206,6 @@ def test_a_run_of_another_setup_answers_no_figure(change, reason):
     assert entry["value"] is None and entry["met"] is False and reason in entry["note"]
     prefill = _figure(build_targets({"p.json": {**PREFILL, "dtype": "fp32"}}), "model prefill @128K, MSR 0")
     assert prefill["value"] is None and "prefill dtype" in prefill["note"]
+    # beside a run of the table's setup, sorted before it, another setup's run does not replace it
+    entry = _figure(build_targets({"a.json": ATTENTION, "b.json": {**ATTENTION, **change}}), FA_SSA)
+    assert entry["source"] == "a.json" and entry["value"] == pytest.approx(40 / 250) and "note" not in entry

@@ -240,7 +240,8 @@ def build_targets(jsons: dict[str, Any]) -> list[dict[str, Any]]:
         if failed:
             failures[name] = f"correctness checks failed in this run: {', '.join(failed)}"
         for key, value in read[name].items():
-            if value is not None or (kind, key) not in values:
+            # a run of another setup only fills a gap (its figure then says why it has no value)
+            if (kind, key) not in values or (value is not None and mismatch is None):
                 values[(kind, key)] = (value, name)
 
     def entry(figure: str, target: float | None, op: str, kind: str, key: str) -> dict[str, Any]:
