@@ -220,7 +220,7 @@ def test_tiles_fit_the_gpus_shared_memory(monkeypatch):
 def test_tiles_fit_gpus_before_hopper_with_one_stage_fewer(monkeypatch):
     """Below compute capability 9 Triton's pipeline keeps num_stages - 1 K/V buffers (at least one):
     the defaults at head dim 128 in bf16 take (2 x 2 x 128 + 128) x 128 x 2 = 163,840 bytes there
-    (what Triton 3.6 compiles for sm_80), within an A100's 166,912 with the slack, so they are kept
+    (what Triton 3.9 compiles for sm_80), within an A100's 166,912 with the slack, so they are kept
     (the Hopper estimate, 229,376 + 1,024, would drop a stage there); an RTX 4090's 101,376 keeps 2 stages of
     128 x 128 (98,304). Where nothing fits, the error names the bytes; a planned call (no shrink)
     says to plan with smaller tiles."""

@@ -18,7 +18,7 @@ per call until the last one is enqueued, ``with_gpu_us`` until the GPU has finis
 * ``torch.empty x5`` — five small allocations, a yardstick of the host's speed;
 * ``decode_attention splits=N`` (with ``--splits N ...``) — the kernel with ``N`` key ranges per
   (sample, KV head) instead of :func:`~elasticfw.kernels.decode_attention.num_splits`' choice (at
-  MSR 0.875 one KV head in eight reads every key, so its programs, not the grid, set the GPU time:
+  MSR 0.875 one KV head in eight reads every key, so its programs may set the GPU time, unmeasured:
   ``--tokens 131072 --splits 32 64 128 256`` on a GPU compares ``with_gpu_us``).
 
 ``--cprofile N`` also profiles ``N`` calls of ``decode_attention`` with cProfile (top functions by

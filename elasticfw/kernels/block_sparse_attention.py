@@ -136,7 +136,7 @@ def pipeline_bytes(block_m: int, block_n: int, num_stages: int, d_pad: int, item
                    hopper: bool = True) -> int:
     """Shared memory of a kernel's operands: one tile of ``block_m`` query rows and the K and V
     chunks of ``block_n`` keys its pipeline keeps, ``d_pad`` columns each: ``num_stages`` of them on
-    Hopper, ``num_stages - 1`` (at least one) on earlier GPUs (what Triton 3.6 compiles to: 163,840
+    Hopper, ``num_stages - 1`` (at least one) on earlier GPUs (what Triton 3.9 compiles to: 163,840
     bytes for 128 x 128 tiles, 3 stages, head dim 128 in bf16 for sm_80 and sm_89, 229,376 for sm_90;
     ``metadata.shared`` of the kernels compiled for each target)."""
     buffers = num_stages if hopper else max(num_stages - 1, 1)
