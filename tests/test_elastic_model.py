@@ -301,3 +301,90 @@ def test_cuda_device_without_cuda_is_a_clear_error():
         pytest.skip("this machine has CUDA")
     with pytest.raises(BackendUnavailableError, match="model.device = 'cuda'"):
         resolve_device("cuda")
+
+
+def _prompt_dependent_model() -> tuple[ElasticModel, torch.Tensor, torch.Tensor]:
+    """An MLP-routed model and two prompts it routes differently."""
+    torch.manual_seed(0)
+    elastic = ElasticModel(tiny_model("llama"), elastic_section({"name": "mlp", "pool_tokens": 8, "kernel": "eager"}))
+    with torch.no_grad():
+        for layer in elastic.router.layers:
+            layer.router_mlp[-1].weight.normal_(0, 3.0)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        x, y = torch.randint(3, 250, (1, 80), generator=g), torch.randint(3, 250, (1, 80), generator=g)
+        with torch.no_grad():
+            elastic(input_ids=x)
+            dx = elastic.routing.decisions.clone()
+            elastic(input_ids=y)
+        if not torch.equal(dx, elastic.routing.decisions):
+            return elastic, x, y
+    raise AssertionError("no two prompts routed differently")
+
+
+def test_a_decode_step_keeps_its_own_caches_routing():
+    """Decisions belong to the cache a prompt filled: a step on X's cache after a prefill of Y (several
+    conversations, a scoring pass between steps) routes by X. The answer it must equal is built without a
+    cache: generate re-running X and its next token under X's held decision."""
+    from transformers import DynamicCache
+
+    elastic, x, y = _prompt_dependent_model()
+    with torch.no_grad():
+        cx = DynamicCache()
+        token = elastic(input_ids=x, past_key_values=cx, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        x_decisions = elastic.routing.decisions.clone()
+        elastic(input_ids=y, past_key_values=DynamicCache(), use_cache=True)
+        assert not torch.equal(x_decisions, elastic.routing.decisions)
+        step = elastic(input_ids=token, past_key_values=cx, use_cache=True).logits[:, -1]
+        reference = elastic.generate(
+            input_ids=x, use_cache=False, max_new_tokens=2, do_sample=False, pad_token_id=0,
+            output_logits=True, return_dict_in_generate=True,
+        )
+    assert torch.equal(reference.sequences[:, -2:-1], token)
+    assert torch.allclose(step, reference.logits[1], atol=2e-5, rtol=1e-4)
+
+
+def test_a_continuation_on_a_cache_this_model_did_not_fill_is_an_error():
+    from transformers import DynamicCache
+
+    elastic, x, y = _prompt_dependent_model()
+    foreign = DynamicCache()
+    with torch.no_grad():
+        elastic.unwrap()(input_ids=x, use_cache=True, **{elastic.cache_argument: foreign})
+    elastic = ElasticModel(elastic.base, elastic_section({"name": "mlp", "pool_tokens": 8, "kernel": "eager"}))
+    with torch.no_grad():
+        elastic(input_ids=y)  # decisions of another prompt exist, but not of this cache's
+        with pytest.raises(ElasticError, match="without the routing decision of its prefill"):
+            elastic(input_ids=x[:, :1], past_key_values=foreign, use_cache=True)
+
+
+def test_a_second_generate_turn_on_the_same_cache_keeps_the_first_turns_routing():
+    """Multi-turn generation: the cache of turn 1, given to turn 2, keeps turn 1's routing; turn 2's
+    tokens equal those of one uncached generate over the whole conversation under the held decision."""
+    from transformers import DynamicCache
+
+    elastic, x, y = _prompt_dependent_model()
+    kwargs = dict(do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        cache = DynamicCache()
+        first = elastic.generate(input_ids=x, past_key_values=cache, max_new_tokens=4, **kwargs)
+        turn1 = {layer: d.sparse.clone() for layer, d in elastic.runtime.decisions.items()}
+        elastic(input_ids=y)  # another prompt in between
+        follow = torch.cat([first, y[:, :5]], dim=1)
+        second = elastic.generate(input_ids=follow, past_key_values=cache, max_new_tokens=4, **kwargs)
+        assert {layer: d.sparse for layer, d in elastic.runtime.decisions.items()}.keys() == turn1.keys()
+        assert all(torch.equal(d.sparse, turn1[layer]) for layer, d in elastic.runtime.decisions.items())
+        whole = elastic.generate(input_ids=x, use_cache=False, max_new_tokens=4, **kwargs)
+        assert torch.equal(whole, first)
+    # the uncached reference of turn 2: re-run every step under turn 1's decision, as generate holds it
+    runtime = elastic.runtime
+    runtime.decisions = dict(elastic._cache_decisions[cache])
+    runtime.hold_decisions = True
+    try:
+        with torch.no_grad():
+            ids = follow
+            for _ in range(4):
+                ids = torch.cat([ids, elastic.base(input_ids=ids).logits[:, -1:].argmax(-1)], dim=1)
+    finally:
+        runtime.hold_decisions = False
+    assert torch.equal(second, ids)

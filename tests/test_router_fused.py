@@ -202,6 +202,23 @@ def test_a_tie_goes_to_the_retrieval_mode():
     assert torch.equal(router.decide(0, make_keys(2, 3, 64, 32), dense(2, 64)).sparse.cpu(), torch.ones(2, 3))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_key_gives_a_zero_or_one_decision_on_both_paths(bad):
+    """P(sparse) is NaN where a pooled key is not finite; the decision must still be 0 or 1 (NaN is not
+    above 0.5: the retrieval mode), the same on the eager path as in the kernel (``prob > 0.5``)."""
+    keys = make_keys(1, 2, 16, 16)
+    keys[0, 0, 0, 0] = bad
+    got = {}
+    for kernel in ("eager", "triton"):
+        router = make_router(16, 2, 4, kernel=kernel)
+        with torch.no_grad():
+            got[kernel] = router.decide(0, keys, dense(1, 16))
+    for decision in got.values():
+        assert torch.isnan(decision.prob_sparse[0, 0])
+        assert decision.sparse[0, 0].item() == 0.0
+    assert torch.equal(got["eager"].sparse.cpu(), got["triton"].sparse.cpu())
+
+
 def test_pinned_kernel_pools_padded_and_short_inputs_eagerly(spy):
     router = make_router(32, 2, 8, seed=5)
     keys = make_keys(2, 2, 40, 32)

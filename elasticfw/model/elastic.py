@@ -10,6 +10,7 @@ attention interface.
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -170,6 +171,8 @@ class ElasticModel(nn.Module):
             )
         model._elasticfw_wrapped = True
         self.router.eval()
+        #: each KV cache this model filled -> the routing decisions of its prefill (see :meth:`forward`)
+        self._cache_decisions: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
 
     # -- nn.Module behaviour ------------------------------------------------------------------
     def train(self, mode: bool = True) -> ElasticModel:
@@ -185,7 +188,34 @@ class ElasticModel(nn.Module):
         """The backbone's forward. The KV cache may be given as ``cache=`` or ``past_key_values=``
         whichever transformers version is installed (:func:`with_cache_argument`)."""
         self._check_packed(kwargs)
-        return self.base(*args, **with_cache_argument(kwargs, self.cache_argument))
+        kwargs = with_cache_argument(kwargs, self.cache_argument)
+        given = kwargs.get(self.cache_argument)
+        if given is not None:
+            self._enter_cache(given)
+        out = self.base(*args, **kwargs)
+        self._leave_cache(given, out)
+        return out
+
+    def _enter_cache(self, cache: Any) -> None:
+        """Route the coming forward with the decisions ``cache``'s prefill made (none for a cache this
+        model has not filled: a continuation chunk on it is then an error, a prefill decides afresh).
+        Decisions are kept per cache, so a decode step on one cache after a forward on another (several
+        conversations, a scoring pass between steps) keeps its own prompt's routing."""
+        try:
+            kept = self._cache_decisions.get(cache)
+        except TypeError as exc:  # not weakly referenceable / hashable
+            raise UnsupportedInputError(
+                f"elasticfw keeps each KV cache's routing beside it, which needs a cache object that can be weakly "
+                f"referenced; {type(cache).__name__} cannot ({exc})"
+            ) from exc
+        self.runtime.decisions = dict(kept) if kept is not None else {}
+
+    def _leave_cache(self, given: Any, out: Any) -> None:
+        """Keep the decisions the forward made (or reused) beside the cache it filled."""
+        returned = getattr(out, "past_key_values", None)
+        for cache in (given, returned):
+            if cache is not None and self.runtime.decisions:
+                self._cache_decisions[cache] = dict(self.runtime.decisions)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """``generate`` of the backbone; routing is decided on the prompt and kept for every step
@@ -211,13 +241,19 @@ class ElasticModel(nn.Module):
                     "decoding need the evicted keys back: use elastic.kv_cache=full"
                 )
             kwargs[self.cache_argument] = self.make_kv_cache()
-        self.runtime.decisions.clear()
+        cache = kwargs.get(self.cache_argument)
+        if cache is not None:  # a cache this model filled (an earlier turn) keeps its prompt's routing
+            self._enter_cache(cache)
+        else:
+            self.runtime.decisions = {}
         self.runtime.records.clear()
         self.runtime.hold_decisions = True
         try:
-            return self.base.generate(*args, **kwargs)
+            out = self.base.generate(*args, **kwargs)
         finally:
             self.runtime.hold_decisions = False
+        self._leave_cache(cache, out)
+        return out
 
     def make_kv_cache(self, **options: Any) -> Any:
         """A fresh compact KV cache for this model (:class:`~elasticfw.model.kv_cache.ElasticKVCache`;

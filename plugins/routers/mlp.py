@@ -167,10 +167,10 @@ class MLPRouter(Router):
                 logits, self.temperature(), noise=True, gumbel=self.preset_noise(layer, logits)
             )
             return RouterDecision(straight_through(prob), prob, logits)
-        # softmax over the two logits; arg max: sparse iff P(sparse) > 0.5 (a tie goes to the retrieval
-        # mode), which is what rounding P half-to-even gives, in one operation
+        # softmax over the two logits; arg max: sparse iff P(sparse) > 0.5 (a tie, and a NaN from
+        # non-finite keys, go to the retrieval mode, as in the fused kernel)
         prob = torch.softmax(logits.float(), dim=-1)[..., 1]
-        return RouterDecision(torch.round(prob), prob, logits)
+        return RouterDecision((prob > 0.5).to(prob.dtype), prob, logits)
 
     def _fused_decide(self, module: _LayerRouter, keys: torch.Tensor, seq: SeqInfo) -> RouterDecision | None:
         """The inference decision from the fused kernel, or ``None`` where ``kernel: auto`` keeps the
