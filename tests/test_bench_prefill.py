@@ -89,3 +89,46 @@ def test_prefill_bench_times_the_papers_three_hybrids(tmp_path):
     assert esr["fa-ssa"] == pytest.approx(0.5 * (1 - kept / total), abs=0.02)
     assert 0 < esr["fa-xa"] < esr["fa-ssa"]
     assert esr["xa-ssa"] > esr["fa-ssa"]
+
+
+def test_every_row_gets_as_many_forwards_and_each_elastic_forward_plans_afresh(tmp_path, monkeypatch):
+    """Every variant runs warmup + reps forwards (the elastic row's statistics pass is its first, not
+    an extra warm-up the dense rows lack), and each elastic forward builds its layouts as a new
+    request does: streaming's layout is built once per forward, not once per run."""
+    import functools
+
+    from transformers import LlamaForCausalLM
+
+    from elasticfw_plugins.modes.streaming import StreamingAttention
+
+    forwards: list[str] = []
+    real_forward = LlamaForCausalLM.forward
+
+    @functools.wraps(real_forward)  # elasticfw reads the forward's signature
+    def counting_forward(self, *a, **k):
+        forwards.append(self.config._attn_implementation)
+        return real_forward(self, *a, **k)
+
+    builds = []
+    real_build = StreamingAttention.build_layout
+
+    def counting_build(self, *a, **k):
+        builds.append(len(forwards))
+        return real_build(self, *a, **k)
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", counting_forward)
+    monkeypatch.setattr(StreamingAttention, "build_layout", counting_build)
+    out = tmp_path / "prefill.json"
+    assert prefill.main(["--device", "cpu", "--dtype", "fp32", "--model", "tiny-llama", "--seq", "96", "--layers",
+                         "2", "--executors", "split", "--configs", "fa-ssa", "--msr", "0.5", "--sink", "16",
+                         "--local", "32", "--block-size", "16", "--warmup", "2", "--reps", "3", "--out",
+                         str(out)]) == 0
+    assert json.loads(out.read_text())["failures"] == []
+    dense = [f for f in forwards if f != "elasticfw"]
+    elastic = [f for f in forwards if f == "elasticfw"]
+    assert len(dense) == 5  # dense:sdpa: 2 untimed + 3 timed
+    assert len(elastic) == 2 * 5  # msr=0 and fa-ssa msr=0.5, 5 forwards each
+    # the fa-ssa row's 5 forwards (the last five): one streaming layout in each (2 layers share it)
+    last = len(forwards) - 5
+    assert sorted(set(b for b in builds if b > last)) == list(range(last + 1, len(forwards) + 1))
+    assert len([b for b in builds if b > last]) == 5

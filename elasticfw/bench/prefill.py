@@ -27,10 +27,13 @@ process on one model (elasticfw wraps and unwraps it):
   XAttention's selection depends on the q/k of the random-weight model, so its ``esr`` is the
   figure to read beside its time.
 
-Each row holds the median of ``--reps`` timed forwards after ``--warmup`` untimed ones (the first
-call, compilation included, is ``first_call_s``), ``esr`` (all-layer effective sparsity of the
-prefill, from elasticfw's routing report, measured on the warm-up pass; timed passes run without
-statistics), ``ratio`` = time / baseline and ``speedup`` = baseline / time. A failing variant
+Each row holds the median of ``--reps`` timed forwards after ``--warmup`` untimed ones, the same
+number for every row (the first call, compilation included, is ``first_call_s``; an elastic row's
+first call collects its routing statistics), ``esr`` (all-layer effective sparsity of the
+prefill, from elasticfw's routing report, measured on the first pass; timed passes run without
+statistics), ``ratio`` = time / baseline and ``speedup`` = baseline / time. Each elastic forward
+after the first builds its layouts (and its executor's masks or work lists) afresh, as a request
+does: the runtime's layout cache is emptied, untimed, before each. Compiled kernels stay warm. A failing variant
 records its error and the run goes on (exit status 1). The JSON carries the environment
 (:func:`elasticfw.provenance.environment`) and a PNG plot of the speed-ups is written beside it.
 """
@@ -204,23 +207,30 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_forward(fn: Callable[[], Any], device: torch.device, warmup: int, reps: int) -> dict[str, Any]:
-    """First call (seconds, compilation included), then the median of ``reps`` after ``warmup - 1`` more."""
+def time_forward(fn: Callable[[], Any], device: torch.device, warmup: int, reps: int, *,
+                 first: Callable[[], Any] | None = None, before: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """The first call (``first``, else ``fn``; seconds, compilation included), ``warmup - 1`` more
+    untimed calls, then the median of ``reps`` timed ones. ``before`` runs, untimed, before each
+    call after the first (the elastic rows drop the layouts kept from the previous forward there)."""
     _sync(device)
     start = time.perf_counter()
-    fn()
+    (first or fn)()
     _sync(device)
-    first = time.perf_counter() - start
+    first_s = time.perf_counter() - start
     for _ in range(max(0, warmup - 1)):
+        if before is not None:
+            before()
         fn()
     samples = []
     for _ in range(reps):
+        if before is not None:
+            before()
         _sync(device)
         start = time.perf_counter()
         fn()
         _sync(device)
         samples.append((time.perf_counter() - start) * 1e3)
-    return {"first_call_s": first, "ms": statistics.median(samples), "samples_ms": samples}
+    return {"first_call_s": first_s, "ms": statistics.median(samples), "samples_ms": samples}
 
 
 def bench_model(shape: str, args: argparse.Namespace, device: torch.device, report: dict[str, Any],
@@ -290,17 +300,23 @@ def bench_model(shape: str, args: argparse.Namespace, device: torch.device, repo
                 def elastic_body(row: dict[str, Any], executor: str = executor, router: dict = router,
                                  realised: float = realised, hybrid: str = hybrid) -> None:
                     elastic = ElasticModel(model, elastic_section(args, executor, router, hybrid))
-                    try:
-                        elastic.runtime.collect_stats = True
-                        start = time.perf_counter()
+                    runtime = elastic.runtime
+
+                    def stats_pass() -> None:  # the first call: routing statistics on, then off
+                        runtime.collect_stats = True
                         forward(elastic)
-                        _sync(device)
-                        row["stats_pass_s"] = time.perf_counter() - start
+                        runtime.collect_stats = False
+
+                    try:
+                        # as many untimed forwards as the dense rows; before each later one the
+                        # layouts kept from the previous forward (and the executor's conversions of
+                        # them, keyed on the layout objects) are dropped, so every timed forward plans
+                        # its attention as a new request does
+                        row.update(time_forward(lambda: forward(elastic), device, args.warmup, args.reps,
+                                                first=stats_pass, before=runtime.layout_cache.clear))
                         report_ = elastic.routing
                         row["esr"] = float(report_.esr.mean())
                         row["msr"] = float(report_.msr.mean())
-                        elastic.runtime.collect_stats = False
-                        row.update(time_forward(lambda: forward(elastic), device, args.warmup, args.reps))
                     finally:
                         elastic.unwrap()
                     if abs(row["msr"] - realised) > 1e-6:
