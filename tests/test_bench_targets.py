@@ -57,8 +57,8 @@ PREFILL = {
          "error": None},
     ],
 }
-ROUTER = {"benchmark": "router_overhead", "rows": [{"seq": 8192, "router_per_layer_ms": 0.05},
-                                                    {"seq": L, "router_per_layer_ms": 0.12}]}
+ROUTER = {"benchmark": "router_overhead", "timed": "decide and the runtime's host read of each decision",
+          "rows": [{"seq": 8192, "router_per_layer_ms": 0.05}, {"seq": L, "router_per_layer_ms": 0.12}]}
 DEMO = {"rows": [{"label": "full", "seconds": 80.0}, {"label": "all-streaming", "seconds": 60.0}]}  # demo-cpu.json form
 DENSITY = {"benchmark": "elasticfw.bench.density", "criteria": [
     {"seq": 32768, "figure": "density 0.5 / own density 1", "value": 0.1},  # another length: ignored
@@ -209,3 +209,13 @@ def test_a_run_of_another_setup_answers_no_figure(change, reason):
     # beside a run of the table's setup, sorted before it, another setup's run does not replace it
     entry = _figure(build_targets({"a.json": ATTENTION, "b.json": {**ATTENTION, **change}}), FA_SSA)
     assert entry["source"] == "a.json" and entry["value"] == pytest.approx(40 / 250) and "note" not in entry
+
+
+def test_a_router_run_of_decide_alone_gives_no_router_figure():
+    """A router JSON from before the benchmark timed each decision's host read understates the cost
+    inside a model (one synchronisation per layer): it gives no value, and says why."""
+    old = {k: v for k, v in ROUTER.items() if k != "timed"}
+    got = _by_figure(build_targets({"r.json": old}))["router, all layers, per layer"]
+    assert got["value"] is None and got["met"] is False and "host read" in got["note"]
+    got = _by_figure(build_targets({"r.json": ROUTER}))["router, all layers, per layer"]
+    assert got["value"] == 0.12 and "note" not in got

@@ -282,6 +282,37 @@ def test_router_bench_times_both_paths_or_says_why_not(tmp_path, monkeypatch):
     assert "TRITON_INTERPRET" in row["fused_unavailable"] and data["fused_unavailable"] == row["fused_unavailable"]
 
 
+def test_router_bench_reads_each_decision_to_the_host_as_the_runtime_does(tmp_path, monkeypatch):
+    """The runtime reads every layer's decision to the host at inference (a synchronisation on a
+    GPU), so the router figure times one read per decide; ``decide_only_per_layer_ms`` none."""
+    monkeypatch.setattr(router_bench, "_time", lambda fn, device, reps, warmup=5: (fn(), 1.0)[1])
+    reads: list[int] = []
+    real_cpu = torch.Tensor.cpu
+    real_decide = MLPRouter.decide
+    decides: list[int] = []
+
+    def decide(self, *a, **k):
+        decision = real_decide(self, *a, **k)
+        decides.append(1)
+        return RouterDecision(SpyTensor(decision.sparse), decision.prob_sparse, decision.logits)
+
+    class SpyTensor(torch.Tensor):
+        def cpu(self, *a, **k):
+            reads.append(1)
+            return real_cpu(self, *a, **k)
+
+    monkeypatch.setattr(MLPRouter, "decide", decide)
+    out = tmp_path / "router.json"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # eager only: two timed functions (with and without reads)
+    assert router_bench.main(["--seq", "64", "--layers", "3", "--reps", "1", "--kv-heads", "2", "--head-dim", "32",
+                              "--dtype", "fp32", "--device", "cpu", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["timed"] == router_bench.TIMED
+    # default router (3 decides, 3 reads), decide only (3, 0), eager variant (3, 3)
+    assert len(decides) == 9 and len(reads) == 6
+    assert data["rows"][0]["decide_only_per_layer_ms"] == pytest.approx(1 / 3)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_fused_at_a_realistic_shape(spy):

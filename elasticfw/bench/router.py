@@ -5,7 +5,9 @@
 
 Default shape: Llama-3.1-8B (32 layers, 8 KV heads, 32 query heads, head dim 128), B=1, bf16 key
 states, S in {512, 8192, 32768, 131072}. Times ``router.decide`` for all layers (eval mode, no
-autograd), the router the paper uses (``mlp``, about 0.27M parameters per layer), against one
+autograd), each followed by the host read of its decision that the runtime makes at inference (a
+synchronisation per layer: the cost the router adds to a forward; ``decide_only_per_layer_ms``
+leaves it out), for the router the paper uses (``mlp``, about 0.27M parameters per layer), against one
 layer of dense causal cuDNN SDPA at the same S measured in the same run. The paper reports an
 average router latency of 0.196 ms, constant from 512 to 1M tokens (Fig. 10).
 
@@ -36,6 +38,11 @@ from elasticfw.kernels import triton_unavailable
 from elasticfw.provenance import environment
 from elasticfw.registry import get_registry
 from elasticfw.routing.base import HeadLayout, Router
+
+#: what the per-layer figures time: a router's cost inside a model at inference, where the runtime
+#: reads each layer's decision to the host (one synchronisation per layer; none for a router that
+#: returns its decision's host copy) before its attention runs
+TIMED = "decide and the runtime's host read of each decision"
 
 
 def _time(fn: Callable[[], object], device: torch.device, reps: int, warmup: int = 5) -> float:
@@ -84,16 +91,21 @@ def run(args: argparse.Namespace) -> dict:
         keys = torch.randn(1, args.kv_heads, s, args.head_dim, device=device, dtype=dtype)
         seq = SeqInfo.dense(1, s, s, device)
 
-        def all_layers_of(r: Router, keys: torch.Tensor = keys, seq: SeqInfo = seq) -> Callable[[], None]:
+        def all_layers_of(r: Router, keys: torch.Tensor = keys, seq: SeqInfo = seq,
+                          host_read: bool = True) -> Callable[[], None]:
             @torch.no_grad()
             def all_layers() -> None:
                 for layer in range(args.layers):
-                    r.decide(layer, keys, seq)
+                    decision = r.decide(layer, keys, seq)
+                    if host_read and decision.host is None:  # what the runtime reads at inference
+                        decision.sparse.cpu()
 
             return all_layers
 
         ms = _time(all_layers_of(router), device, args.reps)
-        row: dict = {"seq": s, "router_all_layers_ms": ms, "router_per_layer_ms": ms / args.layers}
+        decide_ms = _time(all_layers_of(router, host_read=False), device, args.reps)
+        row: dict = {"seq": s, "router_all_layers_ms": ms, "router_per_layer_ms": ms / args.layers,
+                     "decide_only_per_layer_ms": decide_ms / args.layers}
         if "eager" in variants:
             row["eager_per_layer_ms"] = _time(all_layers_of(variants["eager"]), device, args.reps) / args.layers
             row["fused_per_layer_ms"] = None
@@ -131,6 +143,8 @@ def run(args: argparse.Namespace) -> dict:
         "shape": {"layers": args.layers, "kv_heads": args.kv_heads, "q_heads": args.q_heads,
                   "head_dim": args.head_dim, "dtype": args.dtype, "batch": 1},
         "router_params_per_layer": params_per_layer,
+        #: what each per-layer figure times (``decide_only_per_layer_ms``: without the host read)
+        "timed": TIMED,
         "router_kernel": getattr(router.config, "kernel", None),  # the default configuration's
         "fused_unavailable": fused_unavailable,  # why the fused kernel was not timed (null: it was)
         "paper_reference_ms": 0.196,

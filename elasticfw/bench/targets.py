@@ -17,7 +17,9 @@ recognised by its content:
 * ``elasticfw.bench.prefill``: model speed-ups (``speedup``: best dense time / elastic time) of
   the ``split`` executor on ``llama-3.1-8b`` (runs of other models answer none), ``elastic:split:msr=0``
   and ``elastic:split:fa-ssa:msr=0.875``, at 131072 and 32768 tokens.
-* ``router_overhead`` (elasticfw.bench.router): ``router_per_layer_ms`` at the longest sequence.
+* ``router_overhead`` (elasticfw.bench.router): ``router_per_layer_ms`` at the longest sequence,
+  from a run that timed each decision's host read with it (``"timed"``; an older run timed
+  ``decide()`` alone and gives no value).
 * ``elasticfw.bench.density``: the block-sparse kernel's two criteria at 128K from its
   ``criteria`` list (50% density / own 100%, 100% density / cuDNN).
 * the CPU demo (``"benchmark": "demo_cpu"``, or any JSON with ``rows`` labelled ``full`` and
@@ -25,7 +27,8 @@ recognised by its content:
 
 A figure whose JSON or row is missing (or errored) gets ``value: null`` and ``met: false``; so does
 a figure of a run whose setup is not the table's (:func:`setup_mismatch`: the Llama-3.1-8B attention
-shape in bf16, structured inputs, streaming with sink 128 / local 2048), with the reason in
+shape in bf16, structured inputs, streaming with sink 128 / local 2048; a router run of decide()
+alone), with the reason in
 ``note``. A mode's layer takes its limit from the ESR of the same JSON (none: no limit, not met).
 A figure of an attention run whose correctness checks failed is not met (``note`` names them).
 Each entry also carries its source's ``gpu`` and ``git_commit``.
@@ -40,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticfw.atomic import atomic_write_text
+from elasticfw.bench.router import TIMED as ROUTER_TIMED
 
 LONG = 131072
 MID = 32768
@@ -107,6 +111,11 @@ def setup_mismatch(kind: str, data: dict[str, Any]) -> str | None:
         if data.get("dtype") != SHAPE["dtype"]:
             return f"prefill dtype {data.get('dtype')!r}, not {SHAPE['dtype']!r}"
         streaming = data.get("streaming")
+    elif kind == "router_overhead":
+        if data.get("timed") != ROUTER_TIMED:
+            return ("router run timed decide() only, not the runtime's host read of each decision (a run "
+                    "before the router benchmark timed both)")
+        return None
     else:
         return None
     if streaming is not None and any(streaming.get(k) != v for k, v in STREAMING.items()):
