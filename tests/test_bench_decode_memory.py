@@ -33,3 +33,24 @@ def test_bench_smoke(tmp_path):
     assert all(r["decode_step_ms_median"] > 0 for r in data["rows"])
     for r in data["rows"]:  # each row's step over the dense row's of its context
         assert r["step_over_dense"] == r["decode_step_ms_median"] / rows["dense", 0.0]["decode_step_ms_median"]
+
+
+def test_rows_carry_the_realised_msr_and_counts_before_the_profiled_steps(tmp_path):
+    """With 2 KV heads, MSR 0.875 rounds to no full head: the row says MSR 1.0 (target 0.875) and its
+    expected ratio is all-streaming's, kept/100. ``--profile`` runs three more steps after the timed
+    ones; the kept tokens are those after the timed steps (hand count: one full head per layer at MSR
+    0.5 keeps context + warmup + steps tokens)."""
+    out = tmp_path / "decode_memory.json"
+    args = [a if a != "1.0" else "0.875" for a in TINY]
+    assert main([*args, "--profile", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["failures"] == []
+    rows = {(r["variant"], r["target_msr"]): r for r in data["rows"]}
+    sparse = rows["compact_cache", 0.875]
+    assert sparse["msr"] == 1.0
+    assert abs(sparse["expected_kv_ratio"] - (16 + 32) / 100) < 1e-9
+    assert sparse["kept_tokens"] == 2 * 2 * (16 + 32)
+    half = rows["compact_cache", 0.5]
+    assert half["msr"] == 0.5 and half["kept_tokens"] == 2 * ((100 + 1 + 2) + (16 + 32))
+    assert half["kept_tokens_ratio"] == half["kept_tokens"] / (2 * 2 * (100 + 1 + 2))
+    assert "profile" in half

@@ -33,7 +33,9 @@ compare ratios within one run). ``kv_ratio`` is the cache's bytes after the
 prefill over the dense cache's (the compact cache's include each full store's growth reserve,
 256 tokens, and an int32 position per compact slot); ``expected_kv_ratio`` is
 ``(1 - msr) + msr * (sink + local) / context``; ``kept_tokens_ratio`` is the compact cache's kept
-(sample, head, token) entries after the decode over a full cache's.
+(sample, head, token) entries after the timed decode steps over a full cache's (``--profile``'s
+three profiled steps come after these figures). A row's ``msr`` is the realised one (whole heads:
+0.875 of 2 KV heads is 1.0), ``target_msr`` the one asked.
 
 One variant failing records its error in the JSON and the run goes on; the exit status is 1 if
 anything failed. The JSON records GPU, versions and commit (:func:`elasticfw.provenance.environment`).
@@ -110,11 +112,21 @@ def build_model(args: argparse.Namespace, device: torch.device) -> Any:
     return model.eval()
 
 
+def full_heads(args: argparse.Namespace, msr: float) -> int:
+    """KV heads of each layer on full attention for MSR ``msr`` (the rest streaming)."""
+    return round((1 - msr) * args.kv_heads)
+
+
+def realised_msr(args: argparse.Namespace, msr: float) -> float:
+    """The MSR the fixed router gives for ``msr`` with ``--kv-heads`` heads (a whole number of heads)."""
+    return (args.kv_heads - full_heads(args, msr)) / args.kv_heads
+
+
 def elastic_section(args: argparse.Namespace, msr: float, kv_cache: str, executor: str) -> Any:
     from elasticfw.recipe import validate_recipe_data
 
-    full_heads = round((1 - msr) * args.kv_heads)
-    heads = [[layer, h] for layer in range(args.layers) for h in range(full_heads, args.kv_heads)]
+    full = full_heads(args, msr)
+    heads = [[layer, h] for layer in range(args.layers) for h in range(full, args.kv_heads)]
     data = {
         "retrieval_mode": {"name": "full", "block_size": args.block},
         "sparse_mode": {"name": "streaming", "sink_tokens": args.sink, "local_tokens": args.local,
@@ -207,13 +219,16 @@ def run_variant(
                 token = out.logits[:, -1:].argmax(-1)
                 del out
             peak_decode = _peak(device)
+            # the cache as the timed steps left it (the profiled steps below add tokens)
+            cache_decode = cache_nbytes(cache)
+            kept = _kept_tokens(cache)
             profile = _profile_steps(model, token, with_cache, device) if args.profile else None
     row: dict[str, Any] = {
         "prefill_s": prefill_s,
         "decode_step_ms_median": 1e3 * statistics.median(times),
         "decode_step_ms_min": 1e3 * min(times),
         "cache_bytes_after_prefill": cache_prefill,
-        "cache_bytes_after_decode": cache_nbytes(cache),
+        "cache_bytes_after_decode": cache_decode,
         "allocated_before_bytes": before,
         "peak_prefill_bytes_above_before": None if peak_prefill is None or before is None else peak_prefill - before,
         "peak_decode_bytes_above_before": None if peak_decode is None or before is None else peak_decode - before,
@@ -221,10 +236,17 @@ def run_variant(
     }
     if profile is not None:
         row["profile"] = profile
-    if hasattr(cache, "elastic_layers"):  # (sample, KV head, token) entries kept, over every layer
-        row["kept_tokens"] = int(sum(int(layer.kept_tokens().sum()) for layer in cache.elastic_layers().values()))
+    if kept is not None:
+        row["kept_tokens"] = kept
     del cache
     return row
+
+
+def _kept_tokens(cache: Any) -> int | None:
+    """A compact cache's (sample, KV head, token) entries kept, over every layer (``None``: another cache)."""
+    if not hasattr(cache, "elastic_layers"):
+        return None
+    return int(sum(int(layer.kept_tokens().sum()) for layer in cache.elastic_layers().values()))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -277,14 +299,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         elastic, ids, args, device,
                         make_cache=elastic.make_kv_cache if kind == "compact_cache" else None, swap_executor=swap,
                     )
-                row.update(context=context, variant=name, msr=msr if kind else 0.0, dense_cache_bytes=dense_bytes)
+                realised = realised_msr(args, msr) if kind else 0.0  # whole heads: 0.875 of 2 KV heads is 1.0
+                row.update(context=context, variant=name, msr=realised, target_msr=msr if kind else 0.0,
+                           dense_cache_bytes=dense_bytes)
                 row["kv_ratio"] = row["cache_bytes_after_prefill"] / dense_bytes
                 dense_step = next((r["decode_step_ms_median"] for r in [*result["rows"], row]
                                    if r["variant"] == "dense" and r["context"] == context), None)
                 if dense_step is not None:  # the same run's dense step: a decode step's time is the host's
                     row["step_over_dense"] = row["decode_step_ms_median"] / dense_step
                 if kind == "compact_cache":
-                    row["expected_kv_ratio"] = (1 - msr) + msr * (args.sink + args.local) / context
+                    row["expected_kv_ratio"] = (1 - realised) + realised * (args.sink + args.local) / context
                     seen = context + args.warmup + args.steps  # tokens in the cache after the decode
                     row["kept_tokens_ratio"] = row["kept_tokens"] / (args.layers * args.kv_heads * seen)
                 result["rows"].append(row)
@@ -294,6 +318,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             finally:
                 if elastic is not None:
                     elastic.unwrap()
+                # nothing of this variant (its runtime, executors, caches) lives into the next one's
+                # allocated_before_bytes and peaks
+                elastic = runtime = swap = decode_executor = None  # type: ignore[assignment]
     return result
 
 
