@@ -65,3 +65,35 @@ def test_flex_rows_pin_flexattention_and_triton_rows_the_kernel():
 def test_density_one_is_required():
     with pytest.raises(SystemExit):
         density.parse_args(["--out", "x", "--densities", "0.5"])
+
+
+def test_each_layout_is_converted_once_outside_the_timed_calls(tmp_path, monkeypatch):
+    """The ratios are the kernel's (cuDNN's baseline has nothing to convert): FlexAttention's
+    BlockMask of each layout is built once, not once per timed call."""
+    import elasticfw_plugins.executors.flex as flex
+
+    conversions = []
+    real = flex.to_block_mask
+
+    def counting(*a, **k):
+        conversions.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(flex, "to_block_mask", counting)
+    out = tmp_path / "d.json"
+    assert density.main(["--device", "cpu", "--seq", "128", "--q-heads", "2", "--kv-heads", "1", "--head-dim", "16",
+                         "--dtype", "fp32", "--block-size", "32", "--densities", "1", "0.5", "--cpu-warmup", "1",
+                         "--cpu-iters", "3", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["failures"] == []
+    assert len(conversions) == 2  # one per layout (densities 1 and 0.5) of the one configuration
+
+
+def test_cpu_timing_is_the_median_of_its_samples(monkeypatch):
+    from types import SimpleNamespace
+
+    from elasticfw.bench import timing
+
+    samples = iter([0.0, 1e-3, 0.0, 2e-3, 0.0, 3e-3, 0.0, 10e-3])  # perf_counter: start, end per call
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(samples))
+    args = SimpleNamespace(cpu_warmup=0, cpu_iters=4)
+    assert timing.time_ms(lambda: None, torch.device("cpu"), args) == pytest.approx(2.5)  # (2 + 3) / 2

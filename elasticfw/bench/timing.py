@@ -6,6 +6,7 @@ entry's error as a row, and executors reached through the registry."""
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 import traceback
 from collections.abc import Callable
@@ -50,8 +51,7 @@ def time_ms(fn: Callable[[], Any], device: torch.device, args: argparse.Namespac
         fn()
         sync(device)
         times.append((time.perf_counter() - start) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
+    return statistics.median(times)
 
 
 def first_call_s(fn: Callable[[], Any], device: torch.device) -> float:
