@@ -146,3 +146,30 @@ def test_chunks_narrow_where_the_gpus_shared_memory_is_short(monkeypatch):
         out, lse = dec.decode_attention(q, k, v, selection, seq, scale=0.0625)
         assert widths.pop() == chunk and not widths
         _check(out, lse, ref_out, ref_lse, 1e-5)
+
+
+def test_a_key_range_holds_at_most_32_chunks_by_default(monkeypatch):
+    """The default ranges: two programs per multiprocessor, but never a range of more than 32 chunks
+    (on an H100 at 128K keys and MSR 0.875, 33 ranges of 63 chunks took 138 us of GPU time, 66 of 32
+    91 us), never more ranges than chunks, and at least enough for the kernel's 256-chunk limit."""
+    from elasticfw.kernels import decode_attention as dec
+
+    monkeypatch.setattr(dec, "_multiprocessors", lambda index: 132)
+    gpu = torch.device("cuda", 0)
+    assert dec.num_splits(gpu, 8, 2048) == 64  # 128K keys, 64-key chunks, B=1 x 8 KV heads: not 33
+    assert dec.num_splits(gpu, 8, 512) == 33  # 32K keys: filling the GPU already gives 16-chunk ranges
+    assert dec.num_splits(gpu, 1024, 2048) == 64  # a large batch fills the GPU, the range cap still holds
+    assert dec.num_splits(gpu, 8, 20) == 20  # never more ranges than chunks
+    assert dec.num_splits(torch.device("cpu"), 2, 40) == 4  # interpreter: four ranges
+    assert dec.num_splits(torch.device("cpu"), 2, 200) == 7  # ... or enough for 32-chunk ranges
+    # the kernel at the default split count over more chunks than one default range, vs float64
+    seq = SeqInfo.dense(1, 1, 2200)
+    hq, hkv, dim = 4, 2, 16
+    q, k, v = _decode_inputs(seq, hq, hkv, dim, torch.float32, 5)
+    groups = (2200 + 15) // 16  # 16-key groups: 16-key chunks, 138 of them
+    selected = torch.rand(1, hkv, 1, groups, generator=torch.Generator().manual_seed(2)) < 0.6
+    sel = RowSelection(selected, 16, row_block=1, window=64)
+    assert dec.num_splits(torch.device("cpu"), hkv, groups) == 5  # not the interpreter's 4: 32-chunk ranges
+    out, lse = dec.decode_attention(q, k, v, sel, seq, scale=dim**-0.5)
+    ref_out, ref_lse = _brute(q, k, v, selected, 16, seq, dim**-0.5, window=64)
+    _check(out, lse, ref_out, ref_lse, 1e-5)

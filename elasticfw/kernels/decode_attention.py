@@ -50,6 +50,12 @@ _LOG2E = 1.4426950408889634
 MAX_BLOCK_N = 64
 #: the most chunks one program's range holds (its flags and their compaction live in registers)
 MAX_CHUNKS_PER_SPLIT = 256
+#: the chunks a range holds at most by default (2,048 keys at 64-key chunks). Where few heads read
+#: every key (MSR 0.875: one KV head in eight), filling the GPU with programs of *all* heads leaves
+#: the reading heads' programs long and serial: on an H100 at 128K keys (issue10-s19, tools/
+#: decode_host_timing.py --splits) 33 ranges of 63 chunks took 138 us of GPU time a call, 66 ranges of
+#: 32 chunks 91 us (host-bound: the GPU time is below it), 132 and 264 ranges the same
+SPLIT_CHUNKS = 32
 #: shared memory the split kernel holds beyond one K chunk, one V chunk and the query tile (the
 #: kernels compiled for sm_80 / sm_89 / sm_90 asked at most 4,160 bytes more; twice that as margin)
 SMEM_MARGIN = 8192
@@ -91,12 +97,12 @@ def _multiprocessors(index: int) -> int:
 def num_splits(device: torch.device, programs_per_split: int, chunks: int) -> int:
     """Key ranges per (sample, KV head): about two programs per streaming multiprocessor on a GPU
     (four ranges under the interpreter), at least enough that no range exceeds
-    :data:`MAX_CHUNKS_PER_SPLIT` chunks, and never more ranges than chunks."""
+    :data:`SPLIT_CHUNKS` chunks, and never more ranges than chunks."""
     if device.type == "cuda":
         target = 2 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
     else:
         target = 4 * programs_per_split
-    splits = max(cdiv(target, max(programs_per_split, 1)), cdiv(chunks, MAX_CHUNKS_PER_SPLIT))
+    splits = max(cdiv(target, max(programs_per_split, 1)), cdiv(chunks, SPLIT_CHUNKS))
     return max(1, min(splits, chunks))
 
 
