@@ -202,14 +202,11 @@ def _cmd_bench_passthrough(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_targets(args: argparse.Namespace) -> int:
-    from elasticfw.bench.targets import write_targets
+    from elasticfw.bench.targets import describe, write_targets
 
     path, targets = write_targets(Path(args.folder), out=Path(args.out) if args.out else None)
     for t in targets:
-        value = "missing" if t["value"] is None else f"{t['value']:.4g}"
-        target = "none" if t["target"] is None else f"{t['target']:.4g}"
-        note = f"; {t['note']}" if t.get("note") else ""
-        print(f"{'met ' if t['met'] else 'NOT '} {t['figure']}: {value} (target {target}; {t['source']}{note})")
+        print(describe(t))
     print(f"wrote {path}")
     return 0
 

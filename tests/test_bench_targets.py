@@ -219,3 +219,21 @@ def test_a_router_run_of_decide_alone_gives_no_router_figure():
     assert got["value"] is None and got["met"] is False and "host read" in got["note"]
     got = _by_figure(build_targets({"r.json": ROUTER}))["router, all layers, per layer"]
     assert got["value"] == 0.12 and "note" not in got
+
+
+def test_the_tools_targets_step_prints_a_run_without_attention_rows(tmp_path, capsys):
+    """``tools/bench_targets.py gpu --steps prefill`` ends with ``targets`` over a folder without the
+    attention JSON: a mode's layer then has no target (it raised formatting None)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "bench_targets.py"
+    spec = importlib.util.spec_from_file_location("bench_targets_tool", path)
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    (tmp_path / "prefill.json").write_text(json.dumps(PREFILL))
+    assert tool.main(["targets", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "[targets] NOT  xattention / moba / nsa layer @128K (plan + kernel) / dense [moba]: missing (target none" in out
+    assert "[targets] met  model prefill @128K, MSR 0 / dense: 0.98 (target 0.97; prefill.json)" in out

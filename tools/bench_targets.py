@@ -260,13 +260,11 @@ def demo_cpu(args: argparse.Namespace) -> int:
 
 
 def targets(args: argparse.Namespace) -> int:
-    from elasticfw.bench.targets import write_targets
+    from elasticfw.bench.targets import describe, write_targets
 
     path, figures = write_targets(args.out)
-    for t in figures:
-        value = "missing" if t["value"] is None else f"{t['value']:.4g}"
-        print(f"[targets] {'met' if t['met'] else 'NOT met'}: {t['figure']} = {value} (target {t['target']:.4g}, "
-              f"{t['source'] or 'no source'})")
+    for t in figures:  # a mode's layer without an ESR in the run has no target
+        print(f"[targets] {describe(t)}")
     print(f"[targets] wrote {path}")
     return 0
 

@@ -283,6 +283,15 @@ def build_targets(jsons: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def describe(t: dict[str, Any]) -> str:
+    """One line of a ``targets.json`` entry: verdict, figure, value, target, source and note (a
+    missing value or target reads ``missing`` / ``none``)."""
+    value = "missing" if t["value"] is None else f"{t['value']:.4g}"
+    target = "none" if t["target"] is None else f"{t['target']:.4g}"
+    note = f"; {t['note']}" if t.get("note") else ""
+    return f"{'met ' if t['met'] else 'NOT '} {t['figure']}: {value} (target {target}; {t['source'] or 'no source'}{note})"
+
+
 def load_jsons(folder: Path) -> dict[str, Any]:
     """Every ``*.json`` of ``folder`` except ``targets.json``, by file name (unreadable ones skipped)."""
     out: dict[str, Any] = {}
