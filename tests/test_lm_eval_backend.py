@@ -354,3 +354,36 @@ def test_importing_the_backend_module_does_not_import_lm_eval_or_torch() -> None
             "print(m.MODEL_NAME)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0 and done.stdout.strip() == "elasticfw", done.stderr
+
+
+def test_choices_are_scored_under_their_contexts_routing(tok: PreTrainedTokenizerFast) -> None:
+    """The router decides on the context alone, as generation routes a prompt: every choice of a
+    question is scored under one routing, never one that saw the candidate answer. The answer it
+    must equal: a model with a fixed router holding the context's own decisions."""
+    torch.manual_seed(0)
+    elastic = ElasticModel(tiny_model("llama", vocab_size=VOCAB),
+                           section({"name": "mlp", "pool_tokens": 2, "kernel": "eager"}))
+    context = "Question: what is the capital of France? Answer:"
+    choices = [" Paris.", " the lazy dog sat on the log, and the cat sat on the mat."]
+    ctx = split_pair(tok, context, choices[0])[0]
+    with torch.no_grad():  # KV head 0 of every layer just sparse on the context: an answer seen tips it
+        elastic(input_ids=torch.tensor([ctx]))
+        for i, layer in enumerate(elastic.router.layers):
+            logits = elastic.runtime.decisions[i].logits[0, 0].float()
+            layer.router_mlp[-1].bias[1] -= float(logits[1] - logits[0]) - 1e-4
+        elastic(input_ids=torch.tensor([ctx]))
+    decisions = elastic.routing.decisions[0].clone()  # (layers, KV heads) of the context alone
+    lm = lm_eval_backend.register().from_model(elastic, tok, batch_size=2)
+    got = lm.loglikelihood(requests("loglikelihood", [(context, c) for c in choices]))
+    # the candidate answers alone would route otherwise (else this test could not fail)
+    with torch.no_grad():
+        elastic(input_ids=torch.tensor([(ctx + split_pair(tok, context, choices[1])[1])[:-1]]))
+    assert not torch.equal(elastic.routing.decisions[0], decisions)
+    heads = [[layer, h] for layer in range(decisions.shape[0]) for h in range(decisions.shape[1])
+             if decisions[layer, h]]
+    fixed = ElasticModel(elastic.unwrap(), section({"name": "fixed", "assign": "sparse_heads", "heads": heads}
+                                                   if heads else FULL))
+    for choice, (logprob, is_greedy) in zip(choices, got):
+        want, want_greedy = reference_logprob(fixed, *split_pair(tok, context, choice))
+        assert logprob == pytest.approx(want, abs=1e-4)
+        assert is_greedy == want_greedy

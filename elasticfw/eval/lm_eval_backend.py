@@ -285,8 +285,9 @@ class ElasticLMBase:
         return {"elasticfw": {**self.info, "version": __version__}, "elasticfw_routing": self.routing_stats.summary()}
 
     # -- scoring -------------------------------------------------------------------------------
-    def _forward(self, rows: list[list[int]], kind: str) -> torch.Tensor:
-        """Logits (B, T, V) of a right-padded batch; records the batch's routing."""
+    def _forward(self, rows: list[list[int]], kind: str, route_lengths: list[int] | None = None) -> torch.Tensor:
+        """Logits (B, T, V) of a right-padded batch; records the batch's routing. ``route_lengths``:
+        each row's leading tokens the router decides on (``None``: all of them)."""
         import torch
 
         width = max(len(r) for r in rows)
@@ -295,9 +296,15 @@ class ElasticLMBase:
         for i, r in enumerate(rows):
             ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
             mask[i, : len(r)] = 1
-        with torch.no_grad():
-            logits = self.elastic(input_ids=ids.to(self._device), attention_mask=mask.to(self._device),
-                                  use_cache=False).logits
+        runtime = self.elastic.runtime
+        if route_lengths is not None:
+            runtime.route_lengths = torch.tensor(route_lengths, dtype=torch.long, device=self._device)
+        try:
+            with torch.no_grad():
+                logits = self.elastic(input_ids=ids.to(self._device), attention_mask=mask.to(self._device),
+                                      use_cache=False).logits
+        finally:
+            runtime.route_lengths = None
         self.routing_stats.add(kind, self.elastic.routing, len(rows))
         return logits
 
@@ -332,7 +339,11 @@ class ElasticLMBase:
         for first in range(0, len(todo), self._batch_size):
             chunk = todo[first : first + self._batch_size]
             rows = [(requests[i][1] + requests[i][2])[:-1] for i in chunk]
-            logits = self._forward(rows, kind)
+            # a choice is scored under its context's routing, as generation would route that prompt:
+            # the router never sees the candidate answers, so every choice of a question is scored
+            # under one routing (a rolling window's "context" is a token or two: it routes on all)
+            routes = [len(requests[i][1]) for i in chunk] if kind == "loglikelihood" else None
+            logits = self._forward(rows, kind, routes)
             for row, i in enumerate(chunk):
                 key, _, continuation = requests[i]
                 end = len(rows[row])
