@@ -180,3 +180,21 @@ def test_boundary_pooling_fast_path_reads_strided_keys():
         got = boundary_pool(keys, SeqInfo.dense(2, sk, sk), pool_tokens=8)
         want = torch.cat([keys[:, :, :8], keys[:, :, -8:]], dim=2).mean(2)
         assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_mlp_router_refuses_keys_and_layers_it_was_not_built_for():
+    """A head dim other than the backbone's (the fused kernel's error advised kernel: auto, whose
+    eager path then raised torch's matmul error), keys not 4-D, and a layer position outside the
+    routed layers (-1 used to be the last one) are named errors."""
+    for kernel in ("auto", "eager"):
+        router = MLPRouter(MLPRouterConfig(pool_tokens=4, kernel=kernel), HeadLayout((0, 1), 2, 4, 16)).eval()
+        seq = SeqInfo.dense(1, 8, 8)
+        with torch.no_grad():
+            assert router.decide(1, torch.randn(1, 2, 8, 16), seq).sparse.shape == (1, 2)
+            with pytest.raises(UnsupportedInputError, match="head dim 16"):
+                router.decide(0, torch.randn(1, 2, 8, 32), seq)
+            with pytest.raises(UnsupportedInputError, match=r"shape \(2, 8, 16\)"):
+                router.decide(0, torch.randn(2, 8, 16), seq)
+            for layer in (-1, 2):
+                with pytest.raises(UnsupportedInputError, match=f"layer {layer} is not"):
+                    router.decide(layer, torch.randn(1, 2, 8, 16), seq)

@@ -20,7 +20,7 @@ always runs the eager operations, which autograd differentiates.
 
 from __future__ import annotations
 
-from typing import Any, Literal, cast
+from typing import Any, Literal, NoReturn, cast
 
 import torch
 from pydantic import Field
@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from elasticfw.attention.seq import SeqInfo
-from elasticfw.errors import BackendUnavailableError
+from elasticfw.errors import BackendUnavailableError, UnsupportedInputError
 from elasticfw.kernels import triton_unavailable
 from elasticfw.routing.base import HeadLayout, Router, RouterConfig, RouterDecision
 from elasticfw.routing.gumbel import TemperatureSchedule, gumbel_softmax_sparse_prob, straight_through
@@ -155,7 +155,9 @@ class MLPRouter(Router):
 
     def decide(self, layer: int, keys: torch.Tensor, seq: SeqInfo) -> RouterDecision:
         # the ModuleList's dictionary: its indexing costs microseconds, and this runs once per layer
-        module = self.layers._modules.get(str(layer)) or self.layers[layer]
+        module = self.layers._modules.get(str(layer))
+        if module is None or keys.dim() != 4 or keys.shape[-1] != self.heads.head_dim:
+            self._refuse(layer, keys)
         if not self.training and self.config.kernel != "eager":
             fused = self._fused_decide(cast(_LayerRouter, module), keys, seq)
             if fused is not None:
@@ -171,6 +173,18 @@ class MLPRouter(Router):
         # non-finite keys, go to the retrieval mode, as in the fused kernel)
         prob = torch.softmax(logits.float(), dim=-1)[..., 1]
         return RouterDecision((prob > 0.5).to(prob.dtype), prob, logits)
+
+    def _refuse(self, layer: int, keys: torch.Tensor) -> NoReturn:
+        """The error for a ``decide`` call this router cannot take (a layer it has no weights for, keys
+        not (B, Hkv, S, head dim) of its backbone's head dim)."""
+        if not 0 <= layer < len(self.layers):
+            raise UnsupportedInputError(
+                f"router 'mlp': layer {layer} is not a routed layer's position (0 to {len(self.layers) - 1})"
+            )
+        raise UnsupportedInputError(
+            f"router 'mlp': keys of shape {tuple(keys.shape)}, expected (batch, KV heads, tokens, "
+            f"{self.heads.head_dim}): the router was built for head dim {self.heads.head_dim}"
+        )
 
     def _fused_decide(self, module: _LayerRouter, keys: torch.Tensor, seq: SeqInfo) -> RouterDecision | None:
         """The inference decision from the fused kernel, or ``None`` where ``kernel: auto`` keeps the
