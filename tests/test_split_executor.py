@@ -705,3 +705,25 @@ def test_a_routed_call_under_inference_mode_splits_and_stays_exact():
             out = attend_routed(q, k, v, seq, ex, retrieval=FULL, sparse=STREAM["block"], hard=hard,
                                 layouts=layouts, scale=0.37, hard_host=hard.clone()).out
             assert rel_rms(out, want) < TOLERANCE[torch.float32]
+
+
+def test_the_sdpa_backend_context_asks_torch_for_set_priority_once(monkeypatch):
+    """``inspect.signature`` costs about 10 us of host time; a decode step's dense layers each open
+    the backend context, so whether torch takes ``set_priority`` is asked once per process."""
+    import inspect
+
+    from torch.nn.attention import SDPBackend
+
+    from elasticfw_plugins.executors import split
+
+    calls = []
+    real = inspect.signature
+    monkeypatch.setattr(inspect, "signature", lambda f, *a, **k: (calls.append(f), real(f, *a, **k))[1])
+    split._sdpa_takes_priority.cache_clear()
+    q = torch.randn(1, 2, 3, 8)
+    for _ in range(3):
+        with split._sdpa_context([SDPBackend.MATH]):
+            out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert len(calls) == 1
+    weights = torch.softmax((q @ q.transpose(-1, -2)) / 8**0.5 + torch.full((3, 3), float("-inf")).triu(1), -1)
+    torch.testing.assert_close(out, weights @ q)

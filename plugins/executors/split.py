@@ -66,6 +66,7 @@ path is plain differentiable PyTorch).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections import OrderedDict
 from typing import Literal, cast
@@ -142,10 +143,20 @@ def _sdpa_backends(name: str) -> list:
     return [table[name]]
 
 
+@functools.cache
+def _sdpa_takes_priority() -> bool:
+    """Whether ``sdpa_kernel`` takes ``set_priority`` (torch >= 2.6: the list's order is the
+    priority). Asked once: ``inspect.signature`` costs about 10 us of host time, and a decode step
+    of an all-full layer calls :meth:`SplitExecutor.dense` once per layer."""
+    from torch.nn.attention import sdpa_kernel
+
+    return "set_priority" in inspect.signature(sdpa_kernel).parameters
+
+
 def _sdpa_context(backends: list):  # type: ignore[no-untyped-def]
     from torch.nn.attention import sdpa_kernel
 
-    if "set_priority" in inspect.signature(sdpa_kernel).parameters:  # torch >= 2.6: the list's order is the priority
+    if _sdpa_takes_priority():
         return sdpa_kernel(backends, set_priority=True)
     return sdpa_kernel(backends)
 
