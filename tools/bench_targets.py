@@ -15,7 +15,9 @@ JSON under ``--out`` as it goes:
    executors against the reference at 4,096 tokens (where sink 128 + local 2,048 is sparse).
 2. ``router.json`` — ``python -m elasticfw.bench.router --seq 8192 131072`` (32 layers).
 3. ``prefill.json`` — ``elasticfw bench prefill --model llama-3.1-8b --seq 8192 32768 131072
-   --layers 4 --executors split --msr 0.5 0.875 --configs fa-ssa fa-xa xa-ssa``: the model figures are *ratios* (best dense SDPA time /
+   --layers 4 --executors split --msr 0.5 0.875 --configs fa-ssa fa-xa xa-ssa --reps 5`` (five timed
+   forwards: the 128K FA-SSA samples of the nineteenth session spread 1%, about its margin over
+   the target): the model figures are *ratios* (best dense SDPA time /
    elastic time) measured on the first 4 of the 32 layers of the Llama-3.1-8B shape. Every layer
    has the same shape and cost, so the ratio of 4 layers differs from the ratio of 32 only by the
    embedding and the one-token LM head (below 1% of a 32K prefill); ``--layers 32`` measures the
@@ -25,8 +27,8 @@ JSON under ``--out`` as it goes:
 4. ``decode.json`` (only with ``--steps decode``) — ``python -m elasticfw.bench.decode_memory
    --prefill-executor split --decode-executor split --profile``: decode step time and KV-cache memory
    at 32K and 128K context, dense vs FA-SSA with the full and the compact cache (4 layers), and a
-   ``torch.profiler`` table of three more steps per variant (the elastic steps' cost that grows
-   with the context on an H100, ``results/bench/issue10-s17/README.md``, is not yet explained).
+   ``torch.profiler`` table of three more steps per variant (where a step's GPU time goes; the
+   steps are host-bound, ``results/bench/issue10-s19/README.md``).
 
 5. ``density.json`` — ``python -m elasticfw.bench.density --seq 131072 --tiles 128,128,8,2
    --triton 128,128,8,3 128,64,8,3``: FlexAttention and the Triton block-sparse kernel on random
@@ -128,7 +130,7 @@ def gpu(args: argparse.Namespace) -> int:
         "router": [py, "-m", "elasticfw.bench.router", "--seq", "8192", "131072", "--reps", "20", "--out", str(out / "router.json")],
         "prefill": [py, "-m", "elasticfw.cli", "bench", "prefill", "--model", *models, "--seq", "8192", "32768", "131072",
          "--layers", layers, "--executors", "split", "--msr", "0.5", "0.875", "--configs", "fa-ssa", "fa-xa", "xa-ssa",
-         "--reps", "3", "--overwrite", "--out", str(out / "prefill.json")],
+         "--reps", "5", "--overwrite", "--out", str(out / "prefill.json")],
         "decode": [py, "-m", "elasticfw.bench.decode_memory", "--prefill-executor", "split", "--decode-executor", "split",
          "--profile", "--out", str(out / "decode.json")],
         "gpu-tests": [py, "-m", "pytest", "tests/test_gpu.py", "tests/test_router_fused.py", "tests/test_xattention_triton.py",
