@@ -160,6 +160,9 @@ def test_a_key_range_holds_at_most_32_chunks_by_default(monkeypatch):
     assert dec.num_splits(gpu, 8, 512) == 33  # 32K keys: filling the GPU already gives 16-chunk ranges
     assert dec.num_splits(gpu, 1024, 2048) == 64  # a large batch fills the GPU, the range cap still holds
     assert dec.num_splits(gpu, 8, 20) == 20  # never more ranges than chunks
+    # 1M keys: 512 ranges of 32 would give the merge kernel a 512 x head-dim tile per row: 128 of 128
+    assert dec.num_splits(gpu, 8, 16384) == 128
+    assert dec.num_splits(gpu, 8, 65536) == 256  # 4M keys: the kernel's 256-chunk limit sets it
     assert dec.num_splits(torch.device("cpu"), 2, 40) == 4  # interpreter: four ranges
     assert dec.num_splits(torch.device("cpu"), 2, 200) == 7  # ... or enough for 32-chunk ranges
     # the kernel at the default split count over more chunks than one default range, vs float64

@@ -378,7 +378,7 @@ def test_a_second_generate_turn_on_the_same_cache_keeps_the_first_turns_routing(
         assert torch.equal(whole, first)
     # the uncached reference of turn 2: re-run every step under turn 1's decision, as generate holds it
     runtime = elastic.runtime
-    runtime.decisions = dict(elastic._cache_decisions[cache])
+    runtime.decisions = dict(elastic._cache_decisions[cache][0])
     runtime.hold_decisions = True
     try:
         with torch.no_grad():
@@ -388,3 +388,59 @@ def test_a_second_generate_turn_on_the_same_cache_keeps_the_first_turns_routing(
     finally:
         runtime.hold_decisions = False
     assert torch.equal(second, ids)
+
+
+def _generate_reference(elastic: ElasticModel, ids: torch.Tensor) -> torch.Tensor:
+    """The logits of ``ids``' next token from an uncached generate (re-runs the sequence under the
+    decision held from its first forward)."""
+    out = elastic.generate(input_ids=ids, use_cache=False, max_new_tokens=1, do_sample=False, pad_token_id=0,
+                           output_logits=True, return_dict_in_generate=True)
+    return out.logits[0]
+
+
+@pytest.mark.parametrize("how", ["positional", "tuple"])
+def test_a_cache_given_positionally_or_returned_in_a_tuple_keeps_its_routing(how):
+    """A cache passed positionally, or created by the model and returned inside a tuple
+    (``return_dict=False``), is recognised: the decode step on it after another prompt's forward
+    routes by its own prompt (vs an uncached re-run of prompt and token under the held decision)."""
+    from transformers import DynamicCache
+
+    elastic, x, y = _prompt_dependent_model()
+    name = elastic.cache_argument
+    with torch.no_grad():
+        if how == "positional":
+            cx = DynamicCache()
+            logits = elastic(x, None, None, cx, use_cache=True).logits
+        else:
+            logits, cx = elastic(input_ids=x, use_cache=True, return_dict=False)[:2]
+        token = logits[:, -1:].argmax(-1)
+        elastic(input_ids=y, use_cache=True, **{name: DynamicCache()})
+        if how == "positional":
+            step = elastic(token, None, None, cx, use_cache=True).logits[:, -1]
+        else:
+            step = elastic(input_ids=token, use_cache=True, return_dict=False, **{name: cx})[0][:, -1]
+        reference = _generate_reference(elastic, torch.cat([x, token], dim=1))
+    assert torch.allclose(step, reference, atol=2e-5, rtol=1e-4)
+
+
+def test_a_reset_cache_routes_its_new_prompt_afresh_and_reports_each_turns_routing():
+    """generate on a cache emptied with reset() decides on the new prompt (it reused the old
+    prompt's routing); after a second turn on a kept cache, ``routing`` reports turn 1's prefill."""
+    from transformers import DynamicCache
+
+    elastic, x, y = _prompt_dependent_model()
+    kwargs = dict(do_sample=False, pad_token_id=0, max_new_tokens=3)
+    with torch.no_grad():
+        elastic(input_ids=y)
+        y_decisions = elastic.routing.decisions.clone()
+        cache = DynamicCache()
+        first = elastic.generate(input_ids=x, past_key_values=cache, **kwargs)
+        x_decisions = elastic.routing.decisions.clone()
+        assert not torch.equal(x_decisions, y_decisions)
+        elastic.generate(input_ids=torch.cat([first, y[:, :4]], dim=1), past_key_values=cache, **kwargs)
+        assert torch.equal(elastic.routing.decisions, x_decisions)  # turn 2 reports turn 1's routing
+        cache.reset()
+        again = elastic.generate(input_ids=y, past_key_values=cache, **kwargs)
+        assert torch.equal(elastic.routing.decisions, y_decisions)
+        fresh = elastic.generate(input_ids=y, past_key_values=DynamicCache(), **kwargs)
+    assert torch.equal(again, fresh)

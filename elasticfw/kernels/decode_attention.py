@@ -56,6 +56,9 @@ MAX_CHUNKS_PER_SPLIT = 256
 #: decode_host_timing.py --splits) 33 ranges of 63 chunks took 138 us of GPU time a call, 66 ranges of
 #: 32 chunks 91 us (host-bound: the GPU time is below it), 132 and 264 ranges the same
 SPLIT_CHUNKS = 32
+#: the most ranges :data:`SPLIT_CHUNKS` asks for (the merge kernel holds a (ranges, head dim) float32
+#: tile per row: 128 x 128 at 256K keys and beyond, where 32-chunk ranges would ask 512 at 1M)
+SPLIT_CHUNKS_MAX_SPLITS = 128
 #: shared memory the split kernel holds beyond one K chunk, one V chunk and the query tile (the
 #: kernels compiled for sm_80 / sm_89 / sm_90 asked at most 4,160 bytes more; twice that as margin)
 SMEM_MARGIN = 8192
@@ -97,12 +100,14 @@ def _multiprocessors(index: int) -> int:
 def num_splits(device: torch.device, programs_per_split: int, chunks: int) -> int:
     """Key ranges per (sample, KV head): about two programs per streaming multiprocessor on a GPU
     (four ranges under the interpreter), at least enough that no range exceeds
-    :data:`SPLIT_CHUNKS` chunks, and never more ranges than chunks."""
+    :data:`SPLIT_CHUNKS` chunks (up to :data:`SPLIT_CHUNKS_MAX_SPLITS` ranges) nor
+    :data:`MAX_CHUNKS_PER_SPLIT`, and never more ranges than chunks."""
     if device.type == "cuda":
         target = 2 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
     else:
         target = 4 * programs_per_split
-    splits = max(cdiv(target, max(programs_per_split, 1)), cdiv(chunks, SPLIT_CHUNKS))
+    splits = max(cdiv(target, max(programs_per_split, 1)), min(cdiv(chunks, SPLIT_CHUNKS), SPLIT_CHUNKS_MAX_SPLITS),
+                 cdiv(chunks, MAX_CHUNKS_PER_SPLIT))
     return max(1, min(splits, chunks))
 
 

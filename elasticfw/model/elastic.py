@@ -77,6 +77,24 @@ def with_cache_argument(kwargs: dict[str, Any], name: str) -> dict[str, Any]:
     return kwargs
 
 
+def _is_cache(obj: Any) -> bool:
+    """Whether ``obj`` is a transformers KV cache (any :class:`transformers.Cache`)."""
+    from transformers.cache_utils import Cache
+
+    return isinstance(obj, Cache)
+
+
+def _cached_tokens(cache: Any) -> int | None:
+    """Tokens ``cache`` holds (``None``: it cannot say)."""
+    length = getattr(cache, "get_seq_length", None)
+    if length is None:
+        return None
+    try:
+        return int(length())
+    except (TypeError, ValueError, IndexError):  # a cache without layers yet, or another API
+        return None
+
+
 @dataclass(frozen=True)
 class RoutingReport:
     """Routing and sparsity of the last prefill, per sample.
@@ -171,8 +189,11 @@ class ElasticModel(nn.Module):
             )
         model._elasticfw_wrapped = True
         self.router.eval()
-        #: each KV cache this model filled -> the routing decisions of its prefill (see :meth:`forward`)
-        self._cache_decisions: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
+        #: each KV cache this model filled -> the routing decisions of its prefill and that prefill's
+        #: statistics (see :meth:`forward`)
+        self._cache_decisions: weakref.WeakKeyDictionary[Any, tuple[dict[int, Any], dict[int, Any]]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     # -- nn.Module behaviour ------------------------------------------------------------------
     def train(self, mode: bool = True) -> ElasticModel:
@@ -186,10 +207,12 @@ class ElasticModel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The backbone's forward. The KV cache may be given as ``cache=`` or ``past_key_values=``
-        whichever transformers version is installed (:func:`with_cache_argument`)."""
+        whichever transformers version is installed (:func:`with_cache_argument`), or positionally."""
         self._check_packed(kwargs)
         kwargs = with_cache_argument(kwargs, self.cache_argument)
         given = kwargs.get(self.cache_argument)
+        if given is None and args:  # a cache passed positionally
+            given = next((a for a in args if _is_cache(a)), None)
         if given is not None:
             self._enter_cache(given)
         out = self.base(*args, **kwargs)
@@ -197,9 +220,10 @@ class ElasticModel(nn.Module):
         return out
 
     def _enter_cache(self, cache: Any) -> None:
-        """Route the coming forward with the decisions ``cache``'s prefill made (none for a cache this
-        model has not filled: a continuation chunk on it is then an error, a prefill decides afresh).
-        Decisions are kept per cache, so a decode step on one cache after a forward on another (several
+        """Route the coming forward with the decisions ``cache``'s prefill made, and report that
+        prefill's routing statistics (none for a cache this model has not filled, or one emptied
+        since: a continuation chunk on it is then an error, a prefill decides afresh). Decisions are
+        kept per cache, so a decode step on one cache after a forward on another (several
         conversations, a scoring pass between steps) keeps its own prompt's routing."""
         try:
             kept = self._cache_decisions.get(cache)
@@ -208,14 +232,26 @@ class ElasticModel(nn.Module):
                 f"elasticfw keeps each KV cache's routing beside it, which needs a cache object that can be weakly "
                 f"referenced; {type(cache).__name__} cannot ({exc})"
             ) from exc
-        self.runtime.decisions = dict(kept) if kept is not None else {}
+        if kept is not None and _cached_tokens(cache) == 0:  # reset() or cropped to nothing: a new prompt
+            kept = None
+        self.runtime.decisions = dict(kept[0]) if kept is not None else {}
+        if kept is not None:
+            self.runtime.records = dict(kept[1])
 
     def _leave_cache(self, given: Any, out: Any) -> None:
-        """Keep the decisions the forward made (or reused) beside the cache it filled."""
-        returned = getattr(out, "past_key_values", None)
+        """Keep the decisions the forward made (or reused), and its prefill's statistics, beside the
+        cache it filled (given, or returned: as ``past_key_values`` or, with ``return_dict=False``,
+        an element of the tuple)."""
+        if not self.runtime.decisions:
+            return
+        if isinstance(out, tuple):
+            returned = next((o for o in out if _is_cache(o)), None)
+        else:
+            returned = getattr(out, "past_key_values", None)
+        kept = (dict(self.runtime.decisions), dict(self.runtime.records))
         for cache in (given, returned):
-            if cache is not None and self.runtime.decisions:
-                self._cache_decisions[cache] = dict(self.runtime.decisions)
+            if cache is not None:
+                self._cache_decisions[cache] = kept
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """``generate`` of the backbone; routing is decided on the prompt and kept for every step
@@ -242,11 +278,10 @@ class ElasticModel(nn.Module):
                 )
             kwargs[self.cache_argument] = self.make_kv_cache()
         cache = kwargs.get(self.cache_argument)
+        self.runtime.decisions = {}
+        self.runtime.records = {}
         if cache is not None:  # a cache this model filled (an earlier turn) keeps its prompt's routing
             self._enter_cache(cache)
-        else:
-            self.runtime.decisions = {}
-        self.runtime.records.clear()
         self.runtime.hold_decisions = True
         try:
             out = self.base.generate(*args, **kwargs)
