@@ -97,3 +97,30 @@ def test_cpu_timing_is_the_median_of_its_samples(monkeypatch):
     monkeypatch.setattr(timing.time, "perf_counter", lambda: next(samples))
     args = SimpleNamespace(cpu_warmup=0, cpu_iters=4)
     assert timing.time_ms(lambda: None, torch.device("cpu"), args) == pytest.approx(2.5)  # (2 + 3) / 2
+
+
+def test_cuda_timing_asks_do_bench_for_at_least_min_samples(monkeypatch):
+    """do_bench runs ``rep / estimate`` samples: a 255 ms call under a 300 ms budget was one sample.
+    The budget is raised to MIN_SAMPLES calls of the estimate (one timed call)."""
+    import sys
+    import types
+
+    from elasticfw.bench import timing
+
+    asked = {}
+
+    def do_bench(fn, warmup, rep, grad_to_none=None, return_mode="median"):
+        asked.update(warmup=warmup, rep=rep)
+        return 1.0
+
+    monkeypatch.setitem(sys.modules, "triton.testing", types.SimpleNamespace(do_bench=do_bench))
+    monkeypatch.setattr(timing, "sync", lambda device: None)
+    clock = iter([0.0, 0.255, 0.0, 0.001])  # a 255 ms call, then a 1 ms one
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(warmup_ms=50, rep_ms=300)
+    assert timing.time_ms(lambda: None, torch.device("cuda"), args) == 1.0
+    assert asked["rep"] == pytest.approx(timing.MIN_SAMPLES * 255 * 1.1)
+    assert timing.time_ms(lambda: None, torch.device("cuda"), args) == 1.0
+    assert asked["rep"] == 300  # a fast call: the budget as asked

@@ -19,13 +19,15 @@ def _att(name, kind, ms, seq=L, **extra):
 SETUP = {
     "shape": {"batch": 1, "q_heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bf16", "causal": True},
     "inputs": {"kind": "structured"},
-    "modes": {"streaming": {"sink_tokens": 128, "local_tokens": 2048, "block_size": 64}, "full": None},
+    "modes": {"streaming": {"sink_tokens": 128, "local_tokens": 2048, "block_size": 64, "granularity": "block"},
+              "full": None},
     "environment": {"gpu": "NVIDIA H200", "git_commit": "abc123"},
 }
 ATTENTION = {
     "benchmark": "elasticfw.bench.attention",
     **SETUP,
     "results": [
+        _att("check:streaming:prefill", "check", None, seq=4096),
         _att("sdpa_cudnn", "fwd", 250.0),
         _att("sdpa_cudnn", "fwd", 15.0, seq=32768),  # another length: ignored
         _att("flex:full", "fwd", 345.0),
@@ -172,13 +174,16 @@ def test_a_mode_layer_takes_its_limit_from_its_own_runs_esr():
     not another JSON's (b.json's 0.9 gave a limit of 0.265), and no ESR (an esr_error) means no limit
     and not met (it counted as ESR 0: a limit of 1.3, met at 0.92)."""
     nsa = "xattention / moba / nsa layer @128K (plan + kernel) / dense [nsa]"
-    a = {**ATTENTION, "results": [_att("sdpa_cudnn", "fwd", 250.0), _att("layout:nsa", "layout", 30.0, esr_mean=0.2),
+    check = ATTENTION["results"][0]
+    a = {**ATTENTION, "results": [check, _att("sdpa_cudnn", "fwd", 250.0), _att("layout:nsa", "layout", 30.0, esr_mean=0.2),
                                   _att("mode:nsa", "fwd", 170.0)]}
-    b = {**ATTENTION, "results": [_att("sdpa_cudnn", "fwd", 250.0), _att("layout:nsa", "layout", 30.0, esr_mean=0.9)]}
+    b = {**ATTENTION, "results": [check, _att("sdpa_cudnn", "fwd", 250.0),
+                                  _att("layout:nsa", "layout", 30.0, esr_mean=0.9)]}
     entry = _by_figure(build_targets({"a.json": a, "b.json": b}))[nsa]
     assert entry["source"] == "a.json" and entry["value"] == pytest.approx(0.8)
     assert entry["target"] == pytest.approx(1.15 * 0.8 + 0.15) and entry["met"] is True
-    no_esr = {**a, "results": [_att("sdpa_cudnn", "fwd", 250.0), _att("layout:nsa", "layout", 30.0, esr_error="x"),
+    no_esr = {**a, "results": [check, _att("sdpa_cudnn", "fwd", 250.0),
+                               _att("layout:nsa", "layout", 30.0, esr_error="x"),
                                _att("mode:nsa", "fwd", 200.0)]}
     entry = _by_figure(build_targets({"a.json": no_esr}))[nsa]
     assert entry["value"] == pytest.approx(0.92) and entry["target"] is None and entry["met"] is False
@@ -197,7 +202,11 @@ def test_figures_of_a_run_whose_checks_failed_are_not_met():
     ({"shape": {**SETUP["shape"], "q_heads": 4}}, "attention shape"),
     ({"shape": {**SETUP["shape"], "dtype": "fp32"}}, "attention shape"),
     ({"inputs": {"kind": "random"}}, "structured"),
-    ({"modes": {"streaming": {"sink_tokens": 4, "local_tokens": 256}}}, "streaming"),
+    ({"modes": {"streaming": {**SETUP["modes"]["streaming"], "sink_tokens": 4, "local_tokens": 256}}}, "streaming"),
+    ({"modes": {"streaming": {**SETUP["modes"]["streaming"], "granularity": "token"}}}, "granularity"),
+    ({"args": {"flex_set": ["sparse_kernel=flex"]}}, "options changed"),
+    ({"args": {"set": ["moba.top_k=2"]}}, "options changed"),
+    ({"results": [r for r in ATTENTION["results"] if r["kind"] != "check"]}, "without correctness checks"),
 ])
 def test_a_run_of_another_setup_answers_no_figure(change, reason):
     """The figures name their setup (the Llama-3.1-8B attention shape, bf16, structured inputs,
@@ -237,3 +246,14 @@ def test_the_tools_targets_step_prints_a_run_without_attention_rows(tmp_path, ca
     out = capsys.readouterr().out
     assert "[targets] NOT  xattention / moba / nsa layer @128K (plan + kernel) / dense [moba]: missing (target none" in out
     assert "[targets] met  model prefill @128K, MSR 0 / dense: 0.98 (target 0.97; prefill.json)" in out
+
+
+def test_a_failed_side_branch_row_leaves_the_modes_layer_without_a_value():
+    """NSA's layer is its layout plus its mode: row (the side branch included); when that row failed,
+    the kernel rows alone (no side branch) must not stand in for it: they could meet the limit."""
+    rows = [r if r["name"] != "mode:nsa" else {**r, "error": "RuntimeError: ..."} for r in ATTENTION["results"]]
+    got = _by_figure(build_targets({"a.json": {**ATTENTION, "results": rows}}))
+    nsa = got["xattention / moba / nsa layer @128K (plan + kernel) / dense [nsa]"]
+    assert nsa["value"] is None and nsa["met"] is False
+    ok = _by_figure(build_targets({"a.json": ATTENTION}))["xattention / moba / nsa layer @128K (plan + kernel) / dense [nsa]"]
+    assert ok["value"] == pytest.approx((30 + 70) / 250)

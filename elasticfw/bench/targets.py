@@ -11,8 +11,8 @@ recognised by its content:
   (128K) against ``sdpa_cudnn`` ``fwd`` of the same run. The FA-SSA and all-full layer figures
   use the ``split`` executor's rows (``split:hybrid(full+streaming,msr=0.875)``, ``split:full``;
   ``flex:`` rows when no ``split`` row); planning is ``layout:<mode>``; a mode's layer is its
-  layout plus its ``mode:`` row (side branch included) or else the faster of its ``split:`` and
-  ``flex:`` rows, against ``1.15 × (1 − ESR)
+  layout plus its ``mode:`` row (side branch included; a failed one gives the layer no value) or,
+  for a mode without one, the faster of its ``split:`` and ``flex:`` rows, against ``1.15 × (1 − ESR)
   + planning target`` with the layout's mean ESR.
 * ``elasticfw.bench.prefill``: model speed-ups (``speedup``: best dense time / elastic time) of
   the ``split`` executor on ``llama-3.1-8b`` (runs of other models answer none), ``elastic:split:msr=0``
@@ -96,8 +96,10 @@ STREAMING = {"sink_tokens": 128, "local_tokens": 2048}
 
 def setup_mismatch(kind: str, data: dict[str, Any]) -> str | None:
     """Why a benchmark JSON's setup is not the one the table's figures are of, or ``None``: the
-    attention benchmark's shape, inputs (structured) and streaming window; the prefill benchmark's
-    dtype and streaming window. Other JSONs (router, density, demo) carry their own setup."""
+    attention benchmark's shape, inputs (structured), default mode and flex options (no ``--set`` /
+    ``--flex-set``), correctness checks run, and streaming window (block 64, block granularity);
+    the prefill benchmark's dtype and streaming window; a router run that timed ``decide`` alone.
+    Other JSONs (density, demo) carry their own setup."""
     if kind == "elasticfw.bench.attention":
         shape = data.get("shape") or {}
         wrong = {k: shape.get(k) for k, v in SHAPE.items() if shape.get(k) != v}
@@ -106,7 +108,16 @@ def setup_mismatch(kind: str, data: dict[str, Any]) -> str | None:
         inputs = data.get("inputs")
         if not (isinstance(inputs, dict) and inputs.get("kind") == "structured"):
             return "attention inputs are not the structured generator's (data-dependent modes need them)"
+        args = data.get("args") or {}
+        changed = {k: args.get(k) for k in ("set", "flex_set") if args.get(k)}
+        if changed:
+            return f"attention run with options changed from the defaults ({changed})"
+        if not any(r.get("kind") == "check" for r in data.get("results", [])):
+            return "attention run without correctness checks (--check-seq 0)"
         streaming = (data.get("modes") or {}).get("streaming")
+        if streaming is not None and (streaming.get("block_size"), streaming.get("granularity")) != (64, "block"):
+            return (f"streaming block_size {streaming.get('block_size')} / granularity {streaming.get('granularity')!r}, "
+                    "not the table's 64 / 'block'")
     elif kind == "elasticfw.bench.prefill":
         if data.get("dtype") != SHAPE["dtype"]:
             return f"prefill dtype {data.get('dtype')!r}, not {SHAPE['dtype']!r}"
@@ -153,7 +164,9 @@ def _attention(data: dict[str, Any]) -> dict[str, float | None]:
         # faster executor over its layout
         whole = _ms(rows, f"mode:{mode}", "fwd", seq)
         kernels = [m for m in (_ms(rows, f"{p}:{mode}", "fwd", seq) for p in ("split", "flex")) if m is not None]
-        kernel = whole if whole is not None else (min(kernels) if kernels else None)
+        # a mode with a side branch has a mode: row (failed or not): without its time the layer has none
+        has_side = any(r.get("name") == f"mode:{mode}" and r.get("seq") == seq for r in rows)
+        kernel = whole if has_side else (min(kernels) if kernels else None)
         out[f"layer:{mode}"] = ratio(plan + kernel) if plan is not None and kernel is not None else None
         esr_row: dict[str, Any] = next(
             (r for r in rows if r.get("name") == f"layout:{mode}" and r.get("seq") == seq and r.get("error") is None), {}

@@ -27,18 +27,28 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+#: the fewest timed samples behind a median on CUDA: do_bench runs ``rep / estimate`` of them, one
+#: for a 255 ms dense layer at 128K under a 300 ms budget (the denominator of every layer figure)
+MIN_SAMPLES = 5
+
+
 def time_ms(fn: Callable[[], Any], device: torch.device, args: argparse.Namespace, grads=None) -> float:
     """Median milliseconds of ``fn``: triton's do_bench on CUDA (L2 flushed between runs, warmup
-    and repetition budgets in ms), a synchronised wall-clock loop elsewhere."""
+    and repetition budgets in ms, the repetition budget raised to :data:`MIN_SAMPLES` calls of
+    ``fn`` as one timed call estimates it), a synchronised wall-clock loop elsewhere."""
     if device.type == "cuda":
         try:
             from triton.testing import do_bench
         except ImportError:
             do_bench = None
         if do_bench is not None:
-            return float(
-                do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms, grad_to_none=grads, return_mode="median")
-            )
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            estimate_ms = (time.perf_counter() - start) * 1e3
+            rep = max(float(args.rep_ms), MIN_SAMPLES * estimate_ms * 1.1)
+            return float(do_bench(fn, warmup=args.warmup_ms, rep=rep, grad_to_none=grads, return_mode="median"))
     for _ in range(args.cpu_warmup):
         fn()
     times = []
