@@ -132,3 +132,21 @@ def test_forward_only_checks_and_flex_set_under_split(tmp_path, monkeypatch):
     assert all(r["error"] is None and r["grad_rel_rms"] == {} and r["out_rel_rms"] < 1e-5 for r in checks)
     assert calls  # the flex checks and timings ran the kernel
     assert made["split"].config.flex_config().sparse_kernel == "triton"
+
+
+def test_checks_run_each_mode_where_its_layout_is_sparse(tmp_path):
+    """MoBA (64-token blocks, top 2) is dense at 96 tokens (2 blocks): its checks run at 192, where it
+    selects (a dense layout would check the dense path only, not its sparse kernels); streaming
+    (sink 16 / local 16) is sparse at 96 and checks there."""
+    out = tmp_path / "bench.json"
+    args = [*TINY, *FAST, "--modes", "moba", "streaming", "--set", "moba.moba_block_size=64", "--set",
+            "moba.top_k=2", "--set", "moba.block_size=16", "--set", "streaming.sink_tokens=16", "--set",
+            "streaming.local_tokens=16", "--set", "streaming.block_size=16", "--seq", "--check-seq", "96",
+            "--no-backward", "--executors", "flex", "split", "--out", str(out)]
+    assert bench.main(args) == 0
+    rows = [r for r in json.loads(out.read_text())["results"] if r["kind"] == "check"]
+    seqs = {r["name"]: r["seq"] for r in rows}
+    assert seqs["check:moba:prefill"] == 192 and seqs["check:streaming:prefill"] == 96
+    assert seqs["check:split:moba:routed_first_full"] == 192  # routed checks too: only for a sparse layout
+    assert all(r["error"] is None for r in rows)
+    assert next(r for r in rows if r["name"] == "check:moba:prefill")["esr_mean"] > 0

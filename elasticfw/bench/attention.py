@@ -16,12 +16,15 @@ blocks); each layout's ESR is recorded beside its time. In one process it times,
   (``sdpa_math`` on CPU). ``sdpa_cudnn`` is the baseline every ``ratio`` refers to (same kind).
 * ``flex_dense_raw``: the compiled FlexAttention kernel on a prebuilt causal BlockMask (kernel only).
 * ``flex:<mode>``: ``FlexExecutor.attend`` on a prebuilt layout of every registered mode with its
-  default (paper) config: the BlockMask conversion plus the kernel (for modes whose layout depends
-  only on the lengths, ``layout_depends_on_inputs = False``, the layout is marked reusable as the
-  runtime marks it, so the conversion happens once and the time is the kernel's: in a model it is
-  converted once per forward for all layers). ``layout:<mode>`` times the
-  layout construction and ``convert:<mode>`` the layout → BlockMask conversion alone;
-  ``mode:<mode>`` adds the mode's side branch when it has one.
+  default (paper) config: the layout's conversion for the kernel the executor picks plus that
+  kernel. On CUDA at inference (``sparse_kernel: auto``) that is the Triton block-sparse kernel and
+  its work lists, not a BlockMask. For modes whose layout depends only on the lengths
+  (``layout_depends_on_inputs = False``) the layout is marked reusable as the runtime marks it, so
+  the conversion happens once and the time is the kernel's: in a model it is converted once per
+  forward for all layers. ``layout:<mode>`` times the layout construction and ``convert:<mode>``
+  the layout → FlexAttention BlockMask conversion alone (what training and ``sparse_kernel: flex``
+  pay; the Triton path's work lists are inside the ``flex:`` rows); ``mode:<mode>`` adds the
+  mode's side branch when it has one.
 * ``flex:hybrid(full+<mode>)``: the Elastic Attention case, one launch for a layer whose first
   ``(1 - msr)`` of KV heads run full attention and the rest ``<mode>`` (``--msr``, default 0.875).
 
@@ -55,7 +58,7 @@ from elasticfw.attention.flex_mask import to_block_mask
 from elasticfw.attention.layout import BlockLayout, causal_layout, esr
 from elasticfw.attention.mode import AttentionMode
 from elasticfw.attention.seq import SeqInfo
-from elasticfw.bench.attention_checks import correctness, layout_memory, routed_correctness
+from elasticfw.bench.attention_checks import check_lengths, correctness, layout_memory, routed_correctness
 from elasticfw.bench.attention_setup import bench_modes, flex_config, hybrid, hybrid_heads, inner_flex
 from elasticfw.bench.inputs import InputStructure, describe, random_qkv, structured_qkv
 from elasticfw.bench.timing import DTYPES, Recorder, causal_flops, first_call_s, make_executor, time_ms
@@ -378,7 +381,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--check-seq",
         type=int,
         default=2048,
-        help="correctness check vs the reference at this length (0: skip)",
+        help="correctness check vs the reference at this length, or for a mode whose layout is dense there "
+        "at the first doubling (up to 4x) where it is sparse (0: skip)",
     )
     p.add_argument("--warmup-ms", type=int, default=100, help="CUDA: do_bench warmup budget (ms)")
     p.add_argument("--rep-ms", type=int, default=500, help="CUDA: do_bench repetition budget (ms)")
@@ -417,9 +421,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.check_seq:
-        correctness(args.check_seq, args, rec, device)
-        for ex_name in [n for n in args.executors if n != "flex"]:
-            routed_correctness(ex_name, args.check_seq, args, rec, device)
+        # each mode at a length where its layout is sparse (from --check-seq, doubled up to 4x)
+        lengths = check_lengths(args.check_seq, args, device)
+        for n in sorted(set(lengths.values())):
+            names = [m for m, length in lengths.items() if length == n]
+            correctness(n, args, rec, device, modes=names)
+            for ex_name in [e for e in args.executors if e != "flex"]:
+                routed_correctness(ex_name, n, args, rec, device, modes=names)
         _write(args.out, report, rec)
     for S in args.seq:
         bench_seq(S, args, rec, device)

@@ -18,13 +18,36 @@ from elasticfw.attention.seq import SeqInfo
 from elasticfw.bench.attention_setup import bench_modes, flex_config, hybrid_heads, inner_flex
 from elasticfw.bench.timing import DTYPES, Recorder, make_executor, sync
 
-__all__ = ["correctness", "layout_memory", "routed_correctness"]
+__all__ = ["check_lengths", "correctness", "layout_memory", "routed_correctness"]
 
 
-def correctness(N: int, args: argparse.Namespace, rec: Recorder, device: torch.device) -> None:
+def check_lengths(N: int, args: argparse.Namespace, device: torch.device, *, longest: int = 4) -> dict[str, int]:
+    """Per benchmarked mode, the length its checks run at: ``N``, doubled while the mode's layout of
+    a dense prefill is dense causal there, up to ``longest * N``. A mode that computes every pair at
+    ``N`` (MoBA and NSA at their defaults up to 8,192 tokens) would check the dense path only, not
+    the sparse kernels its timed rows use."""
+    hq, hkv, D = args.q_heads, args.kv_heads, args.head_dim
+    g = torch.Generator(device="cpu").manual_seed(3)
+    out = {}
+    for mode in bench_modes(args):
+        n = N
+        while True:
+            q = torch.randn(1, hq, n, D, generator=g).to(device, DTYPES[args.dtype])
+            k = torch.randn(1, hkv, n, D, generator=g).to(device, DTYPES[args.dtype])
+            with torch.no_grad():
+                dense = mode.build_layout(q, k, SeqInfo.dense(1, n, n, device=device)).dense_causal
+            if not dense or n * 2 > longest * N:
+                break
+            n *= 2
+        out[mode.name] = n
+    return out
+
+
+def correctness(N: int, args: argparse.Namespace, rec: Recorder, device: torch.device,
+                modes: list[str] | None = None) -> None:
     """The flex executor (as configured) against the reference executor on this device, for every
-    registered mode: outputs, lse and q/k/v gradients on a dense prefill, a chunked prefill with
-    unaligned per-sample query starts, and a decode step."""
+    registered mode (or those named in ``modes``): outputs, lse and q/k/v gradients on a dense
+    prefill, a chunked prefill with unaligned per-sample query starts, and a decode step."""
     from elasticfw.testing.modes import LSE_TOLERANCE, TOLERANCE, rel_rms
 
     dtype = DTYPES[args.dtype]
@@ -48,7 +71,7 @@ def correctness(N: int, args: argparse.Namespace, rec: Recorder, device: torch.d
         v0 = torch.randn(B, hkv, N, D, generator=g).to(device, dtype)
         dout = torch.randn(B, hq, seq.q_len, D, generator=g).to(device, dtype)
         dout = dout * seq.query_valid()[:, None, :, None]  # padding rows' outputs are meaningless
-        for mode in bench_modes(args):
+        for mode in [m for m in bench_modes(args) if modes is None or m.name in modes]:
 
             def body(row, mode=mode, seq=seq, q0=q0, k0=k0, v0=v0, dout=dout, case=case):
                 with torch.no_grad():
@@ -91,7 +114,8 @@ def correctness(N: int, args: argparse.Namespace, rec: Recorder, device: torch.d
             rec.run({"seq": N, "name": f"check:{mode.name}:{case}", "kind": "check"}, body)
 
 
-def routed_correctness(name: str, N: int, args: argparse.Namespace, rec: Recorder, device: torch.device) -> None:
+def routed_correctness(name: str, N: int, args: argparse.Namespace, rec: Recorder, device: torch.device,
+                       modes: list[str] | None = None) -> None:
     """Executor ``name`` against the reference executor on a dense prefill of N tokens, the way the
     runtime calls it (``need_lse=False``): every mode's layout alone (``attend``) and routed with
     full attention (``attend_routed``: the first KV heads full, and every other KV head full);
@@ -107,7 +131,7 @@ def routed_correctness(name: str, N: int, args: argparse.Namespace, rec: Recorde
     q0, k0, v0, dout = (torch.randn(1, h, N, D, generator=g).to(device, dtype) for h in (hq, hkv, hkv, hq))
     group = hq // hkv
     scattered = (torch.arange(hq, device=device) // group % 2 == 1)[None, :]
-    for mode in bench_modes(args):
+    for mode in [m for m in bench_modes(args) if modes is None or m.name in modes]:
         with torch.no_grad():
             layout = mode.build_layout(q0, k0, seq)
         full = causal_layout(seq, layout.block_size)
