@@ -42,11 +42,7 @@ def time_ms(fn: Callable[[], Any], device: torch.device, args: argparse.Namespac
         except ImportError:
             do_bench = None
         if do_bench is not None:
-            sync(device)
-            start = time.perf_counter()
-            fn()
-            sync(device)
-            estimate_ms = (time.perf_counter() - start) * 1e3
+            estimate_ms = first_call_s(fn, device) * 1e3
             rep = max(float(args.rep_ms), MIN_SAMPLES * estimate_ms * 1.1)
             return float(do_bench(fn, warmup=args.warmup_ms, rep=rep, grad_to_none=grads, return_mode="median"))
     for _ in range(args.cpu_warmup):
