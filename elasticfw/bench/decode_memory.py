@@ -56,6 +56,7 @@ from typing import Any
 import torch
 
 from elasticfw.atomic import atomic_write_text
+from elasticfw.bench.prefill import fixed_router
 from elasticfw.model.elastic import cache_argument
 from elasticfw.provenance import environment
 
@@ -112,27 +113,15 @@ def build_model(args: argparse.Namespace, device: torch.device) -> Any:
     return model.eval()
 
 
-def full_heads(args: argparse.Namespace, msr: float) -> int:
-    """KV heads of each layer on full attention for MSR ``msr`` (the rest streaming)."""
-    return round((1 - msr) * args.kv_heads)
-
-
-def realised_msr(args: argparse.Namespace, msr: float) -> float:
-    """The MSR the fixed router gives for ``msr`` with ``--kv-heads`` heads (a whole number of heads)."""
-    return (args.kv_heads - full_heads(args, msr)) / args.kv_heads
-
-
 def elastic_section(args: argparse.Namespace, msr: float, kv_cache: str, executor: str) -> Any:
     from elasticfw.recipe import validate_recipe_data
 
-    full = full_heads(args, msr)
-    heads = [[layer, h] for layer in range(args.layers) for h in range(full, args.kv_heads)]
+    router, _ = fixed_router(msr, args.layers, args.kv_heads)
     data = {
         "retrieval_mode": {"name": "full", "block_size": args.block},
         "sparse_mode": {"name": "streaming", "sink_tokens": args.sink, "local_tokens": args.local,
                         "block_size": args.block},
-        "router": {"name": "fixed", "assign": "sparse_heads", "heads": heads} if heads else
-        {"name": "fixed", "assign": "all_retrieval"},
+        "router": router,
         "executor": {"name": executor},
         "kv_cache": kv_cache,
     }
@@ -299,7 +288,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         elastic, ids, args, device,
                         make_cache=elastic.make_kv_cache if kind == "compact_cache" else None, swap_executor=swap,
                     )
-                realised = realised_msr(args, msr) if kind else 0.0  # whole heads: 0.875 of 2 KV heads is 1.0
+                realised = fixed_router(msr, args.layers, args.kv_heads)[1] if kind else 0.0  # whole heads
                 row.update(context=context, variant=name, msr=realised, target_msr=msr if kind else 0.0,
                            dense_cache_bytes=dense_bytes)
                 row["kv_ratio"] = row["cache_bytes_after_prefill"] / dense_bytes
