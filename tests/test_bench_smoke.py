@@ -45,6 +45,12 @@ def test_bench_runs_every_registered_mode_on_cpu(tmp_path):
             assert entry in names, entry
     timed = [r for r in data["results"] if r["kind"] == "fwd" and r["name"].startswith("flex:")]
     assert all(r["ms"] > 0 and r["ratio_vs_sdpa_math"] > 0 for r in timed)
+    # the baseline is timed first and again last; every ratio divides by the mean of the two
+    rows = {(r["name"], r["kind"]): r for r in data["results"]}
+    first, last = rows[("sdpa_math", "fwd")]["ms"], rows[("sdpa_math@end", "fwd")]["ms"]
+    assert rows[("sdpa_math", "fwd")]["baseline_ms_first_last"] == [first, last]
+    for r in timed:
+        assert r["ratio_vs_sdpa_math"] == pytest.approx(r["ms"] / ((first + last) / 2), rel=1e-12)
     # a second run does not replace the report unless asked
     before = out.read_bytes()
     assert bench.main(args) == 2 and out.read_bytes() == before
@@ -68,6 +74,42 @@ def test_a_failing_mode_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     assert rows[("layout:broken", "layout")]["error"] == "RuntimeError: boom"
     assert rows[("flex:streaming", "fwd")]["error"] is None and rows[("flex:streaming", "fwd")]["ms"] > 0
     assert any("boom" in line for line in data["failures"])
+
+
+def test_a_mode_failing_where_its_check_length_is_sought_fails_that_check_only(tmp_path, monkeypatch):
+    """Finding each mode's check length builds its layout: a mode that fails there is a failed check
+    row, and the other modes are still checked and timed (it used to end the run, leaving no JSON)."""
+    class Broken:
+        name = "broken"
+
+        def build_layout(self, q, k, seq):
+            raise RuntimeError("boom")
+
+    streaming = make_mode("streaming", {"block_size": 16, "sink_tokens": 16, "local_tokens": 32})
+    monkeypatch.setattr(bench, "bench_modes", lambda args: [Broken(), streaming])
+    monkeypatch.setattr(attention_checks, "bench_modes", lambda args: [Broken(), streaming])
+    out = tmp_path / "bench.json"
+    rc = bench.main([*TINY, *FAST, "--seq", "64", "--check-seq", "96", "--no-backward", "--no-hybrid",
+                     "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert rc == 1
+    rows = {(r["name"], r["kind"]): r for r in data["results"]}
+    assert rows[("check_length:broken", "check")]["error"] == "RuntimeError: boom"
+    assert ("check_length:streaming", "check") not in rows  # a length found is no row
+    assert rows[("check:streaming:prefill", "check")]["error"] is None
+    assert rows[("flex:streaming", "fwd")]["ms"] > 0
+
+
+def test_rebase_divides_by_the_mean_of_the_baselines_first_and_last_times():
+    rows = [{"seq": 8, "name": "b", "kind": "fwd", "ms": 100.0, "ratio_vs_b": 1.0},
+            {"seq": 8, "name": "x", "kind": "fwd", "ms": 52.5, "ratio_vs_b": 0.525},
+            {"seq": 8, "name": "x", "kind": "fwd_bwd", "ms": 7.0, "ratio_vs_b": 0.5},  # no second time: kept
+            {"seq": 16, "name": "x", "kind": "fwd", "ms": 9.0, "ratio_vs_b": 0.25},  # another length: kept
+            {"seq": 8, "name": "b@end", "kind": "fwd", "ms": 110.0, "ratio_vs_b": 1.1}]
+    bench.rebase(rows, 8, "b")
+    assert rows[1]["ratio_vs_b"] == pytest.approx(0.5) and rows[0]["ratio_vs_b"] == pytest.approx(100 / 105)
+    assert rows[0]["baseline_spread"] == pytest.approx(10 / 105) and rows[0]["baseline_ms_first_last"] == [100, 110]
+    assert rows[2]["ratio_vs_b"] == 0.5 and rows[3]["ratio_vs_b"] == 0.25
 
 
 def test_hybrid_layout_keeps_the_first_kv_heads_full():

@@ -21,7 +21,7 @@ SETUP = {
     "inputs": {"kind": "structured"},
     "modes": {"streaming": {"sink_tokens": 128, "local_tokens": 2048, "block_size": 64, "granularity": "block"},
               "full": None},
-    "environment": {"gpu": "NVIDIA H200", "git_commit": "abc123"},
+    "environment": {"gpu": "NVIDIA H200", "git_commit": "abc123", "device": "cuda"},
 }
 ATTENTION = {
     "benchmark": "elasticfw.bench.attention",
@@ -47,6 +47,7 @@ ATTENTION = {
 }
 PREFILL = {
     "benchmark": "elasticfw.bench.prefill",
+    "environment": SETUP["environment"],
     "dtype": "bf16",
     "streaming": {"sink_tokens": 128, "local_tokens": 2048, "block_size": 64},
     "models": {"llama-3.1-8b": {}, "qwen3-8b": {}},
@@ -60,9 +61,10 @@ PREFILL = {
     ],
 }
 ROUTER = {"benchmark": "router_overhead", "timed": "decide and the runtime's host read of each decision",
+          "router": "mlp", "shape": {"layers": 32, **SETUP["shape"]}, "environment": SETUP["environment"],
           "rows": [{"seq": 8192, "router_per_layer_ms": 0.05}, {"seq": L, "router_per_layer_ms": 0.12}]}
-DEMO = {"rows": [{"label": "full", "seconds": 80.0}, {"label": "all-streaming", "seconds": 60.0}]}  # demo-cpu.json form
-DENSITY = {"benchmark": "elasticfw.bench.density", "criteria": [
+DEMO = {"threads": 2, "rows": [{"label": "full", "seconds": 80.0}, {"label": "all-streaming", "seconds": 60.0}]}  # demo-cpu.json form
+DENSITY = {"benchmark": "elasticfw.bench.density", "environment": SETUP["environment"], "shape": {**SETUP["shape"], "inputs": "gaussian"}, "criteria": [
     {"seq": 32768, "figure": "density 0.5 / own density 1", "value": 0.1},  # another length: ignored
     {"seq": L, "figure": "density 0.5 / own density 1", "value": 0.55},
     {"seq": L, "figure": "density 1 / dense cuDNN", "value": 1.38},
@@ -135,16 +137,17 @@ def test_cli_bench_router_and_targets(tmp_path, capsys):
                  "--out", str(tmp_path / "router.json")]) == 0
     assert main(["bench", "targets", str(tmp_path)]) == 0
     router = _by_figure(json.loads((tmp_path / "targets.json").read_text()))["router, all layers, per layer"]
-    assert router["source"] == "router.json" and router["value"] > 0
+    # read, and refused: a CPU run of 2 layers at 128 tokens is not the table's figure
+    assert router["source"] == "router.json" and router["value"] is None and "not a GPU" in router["note"]
     assert "router, all layers, per layer" in capsys.readouterr().out
 
 
 def test_a_prefill_run_of_another_model_answers_no_figure():
     """The issue's model figures are Llama-3.1-8B's: a Qwen3-8B run in the folder (sorted after the
     Llama one) must not replace them."""
-    llama = {"benchmark": "elasticfw.bench.prefill", "dtype": "bf16", "models": {"llama-3.1-8b": {}}, "results": [
+    llama = {"benchmark": "elasticfw.bench.prefill", "environment": SETUP["environment"], "dtype": "bf16", "models": {"llama-3.1-8b": {}}, "results": [
         {"model": "llama-3.1-8b", "seq": 131072, "variant": "elastic:split:msr=0", "speedup": 0.99, "error": None}]}
-    qwen = {"benchmark": "elasticfw.bench.prefill", "dtype": "bf16", "models": {"qwen3-8b": {}}, "results": [
+    qwen = {"benchmark": "elasticfw.bench.prefill", "environment": SETUP["environment"], "dtype": "bf16", "models": {"qwen3-8b": {}}, "results": [
         {"model": "qwen3-8b", "seq": 131072, "variant": "elastic:split:msr=0", "speedup": 0.5, "error": None}]}
     (entry,) = [t for t in build_targets({"a.json": llama, "b.json": qwen}) if t["figure"].startswith(
         "model prefill @128K, MSR 0")]
@@ -157,6 +160,7 @@ def _figure(targets, start):
 
 
 FA_SSA = "layer, FA-SSA (sink 128, local 2048)"
+FA_SSA_FULL_NAME = FIGURES[0][0]
 
 
 def test_a_run_without_its_128k_rows_answers_no_128k_figure():
@@ -257,3 +261,64 @@ def test_a_failed_side_branch_row_leaves_the_modes_layer_without_a_value():
     assert nsa["value"] is None and nsa["met"] is False
     ok = _by_figure(build_targets({"a.json": ATTENTION}))["xattention / moba / nsa layer @128K (plan + kernel) / dense [nsa]"]
     assert ok["value"] == pytest.approx((30 + 70) / 250)
+
+
+def test_the_baseline_is_the_mean_of_its_first_and_last_times():
+    rows = [*ATTENTION["results"], _att("sdpa_cudnn@end", "fwd", 270.0)]
+    got = _by_figure(build_targets({"a.json": {**ATTENTION, "results": rows}}))
+    fa = got[FA_SSA_FULL_NAME]
+    assert fa["value"] == pytest.approx(40 / 260) and fa["baseline_spread"] == pytest.approx(20 / 260)
+    # split:full at 252.5 meets 1.05 against either; the planning ratio moves with the mean
+    assert got["MoBA planning @128K / dense"]["value"] == pytest.approx(50 / 260)
+
+
+def test_a_modes_layer_takes_the_split_row_as_the_other_layer_figures_do():
+    """Not the faster of split and flex: every layer figure reads the same executor (split, else flex)."""
+    rows = [r if r["name"] != "flex:xattention" else {**r, "ms": 10.0} for r in ATTENTION["results"]]
+    got = _by_figure(build_targets({"a.json": {**ATTENTION, "results": rows}}))
+    xa = got["xattention / moba / nsa layer @128K (plan + kernel) / dense [xattention]"]
+    assert xa["value"] == pytest.approx((20 + 140) / 250)
+    only_flex = [r for r in rows if r["name"] != "split:xattention"]
+    got = _by_figure(build_targets({"a.json": {**ATTENTION, "results": only_flex}}))
+    assert got["xattention / moba / nsa layer @128K (plan + kernel) / dense [xattention]"]["value"] == pytest.approx(
+        (20 + 10) / 250)
+
+
+def test_the_later_run_wins_by_date_not_by_file_name():
+    """s9 sorts after s19c by name; the run dated later is the one that counts, and the entry names
+    the one it replaced."""
+    old = {**ATTENTION, "environment": {**SETUP["environment"], "git_commit": "old", "date": "2026-12-01T10:00:00+00:00"}}
+    new_rows = [r if r["name"] != "split:hybrid(full+streaming,msr=0.875)" else {**r, "ms": 35.0}
+                for r in ATTENTION["results"]]
+    new = {**ATTENTION, "results": new_rows,
+           "environment": {**SETUP["environment"], "git_commit": "new", "date": "2026-12-06T10:00:00+00:00"}}
+    fa = _by_figure(build_targets({"s9_attention.json": old, "s19c_attention.json": new}))[FA_SSA_FULL_NAME]
+    assert fa["source"] == "s19c_attention.json" and fa["value"] == pytest.approx(35 / 250)
+    assert fa["git_commit"] == "new" and fa["superseded"] == ["s9_attention.json"]
+
+
+@pytest.mark.parametrize("name, data, figure, reason", [
+    ("r.json", {**ROUTER, "router": "linear"}, "router, all layers, per layer", "not the paper's 'mlp'"),
+    ("r.json", {**ROUTER, "router": "mlp", "shape": {"layers": 4, **SETUP["shape"]}}, "router, all layers, per layer",
+     "shape"),
+    ("k.json", {**DENSITY, "shape": {**SETUP["shape"], "dtype": "fp16"}},
+     "block-sparse kernel @128K: 100% block density / dense cuDNN", "shape"),
+    ("k.json", {**DENSITY, "shape": SETUP["shape"], "environment": {"device": "cpu"}},
+     "block-sparse kernel @128K: 100% block density / dense cuDNN", "not a GPU"),
+    ("p.json", {**PREFILL, "streaming": {**PREFILL["streaming"], "block_size": 128}},
+     "model prefill @128K, MSR 0 / dense", "block_size 128"),
+    ("d.json", {"benchmark": "demo_cpu", **DEMO, "threads": 16},
+     "CPU (2 cores), demo at 1.4K tokens: all-streaming time / full time", "16 threads"),
+])
+def test_router_density_prefill_and_demo_runs_of_another_setup_answer_no_figure(name, data, figure, reason):
+    entry = _by_figure(build_targets({name: data}))[figure]
+    assert entry["value"] is None and entry["met"] is False and reason in entry["note"]
+
+
+def test_a_non_finite_value_is_no_value_and_the_targets_file_is_still_written(tmp_path):
+    (tmp_path / "k.json").write_text(json.dumps({**DENSITY, "criteria": [
+        {"seq": L, "figure": "density 1 / dense cuDNN", "value": float("inf")}]}))
+    path, targets = write_targets(tmp_path)
+    entry = _by_figure(targets)["block-sparse kernel @128K: 100% block density / dense cuDNN"]
+    assert entry["value"] is None and entry["met"] is False and "non-finite" in entry["note"]
+    assert json.loads(path.read_text()) == targets

@@ -61,7 +61,15 @@ from elasticfw.attention.seq import SeqInfo
 from elasticfw.bench.attention_checks import check_lengths, correctness, layout_memory, routed_correctness
 from elasticfw.bench.attention_setup import bench_modes, flex_config, hybrid, hybrid_heads, inner_flex
 from elasticfw.bench.inputs import InputStructure, describe, random_qkv, structured_qkv
-from elasticfw.bench.timing import DTYPES, Recorder, causal_flops, first_call_s, make_executor, time_ms
+from elasticfw.bench.timing import (
+    BASELINE_AGAIN,
+    DTYPES,
+    Recorder,
+    causal_flops,
+    first_call_s,
+    make_executor,
+    time_ms,
+)
 from elasticfw.provenance import environment
 
 _RAW_FLEX: list[Any] = []
@@ -111,7 +119,7 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
         if device.type == "cuda"
         else [("sdpa_math", SDPBackend.MATH)]
     )
-    for name, backend in backends:
+    def sdpa_rows(name: str, backend: Any, repeat: bool = False) -> None:
         for kind in ("fwd", "fwd_bwd"):
             if kind == "fwd_bwd" and args.no_backward:
                 continue
@@ -153,7 +161,10 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
 
                     finish(row, time_ms(fn, device, args, grads=[q, k, v]), dense=True)
 
-            rec.run({"seq": S, "name": name, "kind": kind}, sdpa_body)
+            rec.run({"seq": S, "name": name + (BASELINE_AGAIN if repeat else ""), "kind": kind}, sdpa_body)
+
+    for name, backend in backends:
+        sdpa_rows(name, backend)
 
     # -- the raw FlexAttention kernel on a prebuilt causal mask --------------------------
     executor = make_executor("flex", **flex_config(args))
@@ -320,6 +331,33 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
 
                 rec.run({"seq": S, "name": entry, "kind": "fwd"}, other_body)
 
+    # -- the baseline once more, last: a GPU's clock drifts over a run, so every ratio of this length
+    # divides by the mean of the baseline's first and last times (both kept, and their spread)
+    for name, backend in backends:
+        if name == args.baseline_name:
+            sdpa_rows(name, backend, repeat=True)
+    rebase(rec.rows, S, args.baseline_name)
+
+
+def rebase(rows: list[dict[str, Any]], seq: int, baseline: str) -> None:
+    """Divide every ``ratio_vs_<baseline>`` of length ``seq`` by the mean of the baseline's first and
+    last (``<baseline>@end``) times of its kind, and record both and their relative spread on the
+    first baseline row. A kind without both times keeps its ratios (against the first time)."""
+    key = "ratio_vs_" + baseline
+    for kind in ("fwd", "fwd_bwd"):
+        pair = [next((r for r in rows if r.get("seq") == seq and r.get("kind") == kind and r.get("name") == n
+                      and r.get("ms") is not None), None) for n in (baseline, baseline + BASELINE_AGAIN)]
+        first, last = pair
+        if first is None or last is None:
+            continue
+        mean = (first["ms"] + last["ms"]) / 2
+        first["baseline_ms_first_last"] = [first["ms"], last["ms"]]
+        first["baseline_spread"] = abs(first["ms"] - last["ms"]) / mean
+        first["baseline_ms_mean"] = mean
+        for r in rows:
+            if r.get("seq") == seq and r.get("kind") == kind and r.get("ms") is not None:
+                r[key] = r["ms"] / mean
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
@@ -420,9 +458,11 @@ def main(argv: list[str] | None = None) -> int:
         "modes": {m.name: (m.config.model_dump() if hasattr(m, "config") else None) for m in bench_modes(args)},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    _write(args.out, report, rec)  # the header at once: a run that fails early leaves no stale file
     if args.check_seq:
-        # each mode at a length where its layout is sparse (from --check-seq, doubled up to 4x)
-        lengths = check_lengths(args.check_seq, args, device)
+        # each mode at a length where its layout is sparse (from --check-seq, doubled up to 4x); a mode
+        # whose layout fails there is a failed check row, and the run goes on with the others
+        lengths = check_lengths(args.check_seq, args, device, rec=rec)
         for n in sorted(set(lengths.values())):
             names = [m for m, length in lengths.items() if length == n]
             correctness(n, args, rec, device, modes=names)

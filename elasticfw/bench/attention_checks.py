@@ -21,25 +21,36 @@ from elasticfw.bench.timing import DTYPES, Recorder, make_executor, sync
 __all__ = ["check_lengths", "correctness", "layout_memory", "routed_correctness"]
 
 
-def check_lengths(N: int, args: argparse.Namespace, device: torch.device, *, longest: int = 4) -> dict[str, int]:
+def check_lengths(N: int, args: argparse.Namespace, device: torch.device, *, longest: int = 4,
+                  rec: Recorder | None = None) -> dict[str, int]:
     """Per benchmarked mode, the length its checks run at: ``N``, doubled while the mode's layout of
     a dense prefill is dense causal there, up to ``longest * N``. A mode that computes every pair at
     ``N`` (MoBA and NSA at their defaults up to 8,192 tokens) would check the dense path only, not
-    the sparse kernels its timed rows use."""
+    the sparse kernels its timed rows use. With ``rec``, a mode whose layout fails is recorded as a
+    failed ``check`` row and left out (without it, the error propagates)."""
     hq, hkv, D = args.q_heads, args.kv_heads, args.head_dim
     g = torch.Generator(device="cpu").manual_seed(3)
     out = {}
     for mode in bench_modes(args):
-        n = N
-        while True:
-            q = torch.randn(1, hq, n, D, generator=g).to(device, DTYPES[args.dtype])
-            k = torch.randn(1, hkv, n, D, generator=g).to(device, DTYPES[args.dtype])
-            with torch.no_grad():
-                dense = mode.build_layout(q, k, SeqInfo.dense(1, n, n, device=device)).dense_causal
-            if not dense or n * 2 > longest * N:
-                break
-            n *= 2
-        out[mode.name] = n
+
+        def body(row: dict[str, Any], mode: Any = mode) -> None:
+            n = N
+            while True:
+                q = torch.randn(1, hq, n, D, generator=g).to(device, DTYPES[args.dtype])
+                k = torch.randn(1, hkv, n, D, generator=g).to(device, DTYPES[args.dtype])
+                with torch.no_grad():
+                    dense = mode.build_layout(q, k, SeqInfo.dense(1, n, n, device=device)).dense_causal
+                if not dense or n * 2 > longest * N:
+                    break
+                n *= 2
+            out[mode.name] = n
+
+        if rec is None:
+            body({})
+        else:
+            failed = rec.run({"seq": N, "name": f"check_length:{mode.name}", "kind": "check"}, body)["error"]
+            if failed is None:
+                rec.rows.pop()  # only a failure is worth a row
     return out
 
 

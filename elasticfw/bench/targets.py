@@ -44,6 +44,7 @@ from typing import Any
 
 from elasticfw.atomic import atomic_write_text
 from elasticfw.bench.router import TIMED as ROUTER_TIMED
+from elasticfw.bench.timing import BASELINE_AGAIN
 
 LONG = 131072
 MID = 32768
@@ -95,11 +96,28 @@ STREAMING = {"sink_tokens": 128, "local_tokens": 2048}
 
 
 def setup_mismatch(kind: str, data: dict[str, Any]) -> str | None:
-    """Why a benchmark JSON's setup is not the one the table's figures are of, or ``None``: the
-    attention benchmark's shape, inputs (structured), default mode and flex options (no ``--set`` /
-    ``--flex-set``), correctness checks run, and streaming window (block 64, block granularity);
-    the prefill benchmark's dtype and streaming window; a router run that timed ``decide`` alone.
-    Other JSONs (density, demo) carry their own setup."""
+    """Why a benchmark JSON's setup is not the one the table's figures are of, or ``None``: the GPU
+    benchmarks ran on CUDA; the attention benchmark's shape, inputs (structured), default mode and
+    flex options (no ``--set`` / ``--flex-set``), correctness checks run, and streaming window (block
+    64, block granularity); the prefill benchmark's dtype and streaming window (block 64); the
+    router's kind (``mlp``) and shape (32 layers of the attention shape), and a run that timed
+    ``decide`` alone; the density benchmark's shape; the demo on 2 CPU threads."""
+    env = data.get("environment") or {}
+    if kind == "demo_cpu":
+        threads = data.get("threads", env.get("threads"))
+        if threads != 2:
+            return f"CPU demo on {threads} threads, not the table's 2 cores"
+        return None
+    if not str(env.get("device", "")).startswith("cuda"):
+        return f"{kind} run on {env.get('device')!r}, not a GPU"
+    if kind in ("router_overhead", "elasticfw.bench.density"):
+        shape = data.get("shape") or {}
+        want = dict(SHAPE, layers=32) if kind == "router_overhead" else SHAPE
+        wrong = {k: shape.get(k) for k, v in want.items() if shape.get(k) != v}
+        if wrong:
+            return f"{kind} shape {wrong}, not the table's {want}"
+    if kind == "elasticfw.bench.density":
+        return None
     if kind == "elasticfw.bench.attention":
         shape = data.get("shape") or {}
         wrong = {k: shape.get(k) for k, v in SHAPE.items() if shape.get(k) != v}
@@ -122,7 +140,11 @@ def setup_mismatch(kind: str, data: dict[str, Any]) -> str | None:
         if data.get("dtype") != SHAPE["dtype"]:
             return f"prefill dtype {data.get('dtype')!r}, not {SHAPE['dtype']!r}"
         streaming = data.get("streaming")
+        if streaming is not None and streaming.get("block_size") != 64:
+            return f"prefill streaming block_size {streaming.get('block_size')}, not the table's 64"
     elif kind == "router_overhead":
+        if data.get("router") != "mlp":
+            return f"router {data.get('router')!r}, not the paper's 'mlp'"
         if data.get("timed") != ROUTER_TIMED:
             return ("router run timed decide() only, not the runtime's host read of each decision (a run "
                     "before the router benchmark timed both)")
@@ -142,8 +164,13 @@ def _failed_checks(data: dict[str, Any]) -> list[str]:
 def _attention(data: dict[str, Any]) -> dict[str, float | None]:
     rows = data.get("results", [])
     seq = LONG  # the table's figures are at 128K: a run without its 128K rows answers none of them
-    base = _ms(rows, "sdpa_cudnn", "fwd", seq)
-    out: dict[str, float | None] = {}
+    # the baseline timed first and again last (a GPU's clock drifts over a run): their mean
+    times = [m for m in (_ms(rows, n, "fwd", seq) for n in ("sdpa_cudnn", "sdpa_cudnn" + BASELINE_AGAIN))
+             if m is not None]
+    base = sum(times) / len(times) if times else None
+    out: dict[str, float | None] = {
+        "baseline_spread": abs(times[0] - times[1]) / base if len(times) == 2 and base else None
+    }
 
     def ratio(ms: float | None) -> float | None:
         return None if ms is None or base is None else ms / base
@@ -161,12 +188,11 @@ def _attention(data: dict[str, Any]) -> dict[str, float | None]:
         plan = _ms(rows, f"layout:{mode}", "layout", seq)
         out[f"plan:{mode}"] = ratio(plan)
         # the mode's whole attention: its mode: row (side branch included) when it has one, else the
-        # faster executor over its layout
+        # executor's row over its layout, by the rule of the other layer figures (split, else flex)
         whole = _ms(rows, f"mode:{mode}", "fwd", seq)
-        kernels = [m for m in (_ms(rows, f"{p}:{mode}", "fwd", seq) for p in ("split", "flex")) if m is not None]
         # a mode with a side branch has a mode: row (failed or not): without its time the layer has none
         has_side = any(r.get("name") == f"mode:{mode}" and r.get("seq") == seq for r in rows)
-        kernel = whole if has_side else (min(kernels) if kernels else None)
+        kernel = whole if has_side else first(f"split:{mode}", f"flex:{mode}")
         out[f"layer:{mode}"] = ratio(plan + kernel) if plan is not None and kernel is not None else None
         esr_row: dict[str, Any] = next(
             (r for r in rows if r.get("name") == f"layout:{mode}" and r.get("seq") == seq and r.get("error") is None), {}
@@ -205,10 +231,8 @@ def _density(data: dict[str, Any]) -> dict[str, float | None]:
 
 
 def _router(data: dict[str, Any]) -> dict[str, float | None]:
-    rows = [r for r in data.get("rows", []) if r.get("router_per_layer_ms") is not None]
-    if not rows:
-        return {"router": None}
-    return {"router": float(max(rows, key=lambda r: r["seq"])["router_per_layer_ms"])}
+    rows = [r for r in data.get("rows", []) if r.get("router_per_layer_ms") is not None and r.get("seq") == LONG]
+    return {"router": float(rows[0]["router_per_layer_ms"]) if rows else None}
 
 
 def _demo(data: dict[str, Any]) -> dict[str, float | None]:
@@ -244,13 +268,22 @@ SOURCES: dict[str, tuple[str, str]] = {
 def build_targets(jsons: dict[str, Any]) -> list[dict[str, Any]]:
     """One ``{"figure", "value", "target", "met", "source", "gpu", "git_commit"}`` (and ``note`` where
     a figure is not met for a reason other than its value) per figure of issue 10's table, from
-    ``jsons`` (source name -> loaded JSON). When two JSONs of one kind hold a value, the later name
-    (sorted) wins."""
+    ``jsons`` (source name -> loaded JSON). When two JSONs of one kind and of the table's setup hold
+    a value, the later run wins (``environment.date``; undated JSONs count as earliest, by name), and
+    the entry names the others in ``superseded``. An attention figure carries ``baseline_spread``
+    (the relative gap between the baseline's first and last time) where the run timed both."""
     values: dict[tuple[str, str], tuple[float | None, str]] = {}
+    superseded: dict[tuple[str, str], list[str]] = {}
     read: dict[str, dict[str, float | None]] = {}
     mismatches: dict[str, str] = {}  # source -> why its setup is not the table's: no figure from it
     failures: dict[str, str] = {}  # source -> its failed correctness checks: its figures are not met
-    for name in sorted(jsons):
+
+    def when(name: str) -> tuple[str, str]:
+        env = jsons[name].get("environment") if isinstance(jsons[name], dict) else None
+        date = env.get("date") if isinstance(env, dict) else None
+        return (str(date) if date else "", name)
+
+    for name in sorted(jsons, key=when):
         kind = _kind(jsons[name])
         if kind is None:
             continue
@@ -264,6 +297,9 @@ def build_targets(jsons: dict[str, Any]) -> list[dict[str, Any]]:
         for key, value in read[name].items():
             # a run of another setup only fills a gap (its figure then says why it has no value)
             if (kind, key) not in values or (value is not None and mismatch is None):
+                before, source = values.get((kind, key), (None, ""))
+                if before is not None and source not in mismatches:
+                    superseded.setdefault((kind, key), []).append(source)
                 values[(kind, key)] = (value, name)
 
     def entry(figure: str, target: float | None, op: str, kind: str, key: str) -> dict[str, Any]:
@@ -272,12 +308,19 @@ def build_targets(jsons: dict[str, Any]) -> list[dict[str, Any]]:
         note = mismatches.get(source) or failures.get(source)
         if source in mismatches:
             value = None  # a figure of another setup is not this figure
-        ok = (note is None and value is not None and target is not None and math.isfinite(value)
+        if value is not None and not math.isfinite(value):
+            note, value = note or f"non-finite value {value} in {source}", None  # JSON has no NaN/inf
+        ok = (note is None and value is not None and target is not None
               and (value <= target if op == "<=" else value >= target))
         row = {"figure": figure, "value": value, "target": target, "met": bool(ok), "source": source,
                "gpu": env.get("gpu"), "git_commit": env.get("git_commit")}
         if note is not None:
             row["note"] = note
+        if superseded.get((kind, key)):
+            row["superseded"] = superseded[(kind, key)]
+        spread = read.get(source, {}).get("baseline_spread") if kind == "elasticfw.bench.attention" else None
+        if spread is not None:
+            row["baseline_spread"] = spread
         return row
 
     out = []

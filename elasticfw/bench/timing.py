@@ -69,6 +69,11 @@ def first_call_s(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+#: the suffix of a baseline row timed again after a length's other entries (its ratios divide by the
+#: mean of both times; see elasticfw.bench.attention.rebase)
+BASELINE_AGAIN = "@end"
+
+
 class Recorder:
     """Collects result rows; a failing entry becomes a row with its error. ``on_row`` runs after
     every row (the JSON is rewritten each time, so a run cut short still leaves its results)."""
