@@ -163,6 +163,8 @@ def test_a_key_range_holds_at_most_32_chunks_by_default(monkeypatch):
     # 1M keys: 512 ranges of 32 would give the merge kernel a 512 x head-dim tile per row: 128 of 128
     assert dec.num_splits(gpu, 8, 16384) == 128
     assert dec.num_splits(gpu, 8, 65536) == 256  # 4M keys: the kernel's 256-chunk limit sets it
+    # one sample of one KV head: filling the GPU would ask 264 ranges (a 512-row merge tile): capped too
+    assert dec.num_splits(gpu, 1, 2048) == 128
     assert dec.num_splits(torch.device("cpu"), 2, 40) == 4  # interpreter: four ranges
     assert dec.num_splits(torch.device("cpu"), 2, 200) == 7  # ... or enough for 32-chunk ranges
     # the kernel at the default split count over more chunks than one default range, vs float64

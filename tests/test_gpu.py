@@ -122,3 +122,34 @@ def test_split_reuses_one_blockmask_per_forward_and_decodes_without_tile_padding
     assert rel_rms(outs["split"][0], outs["reference"][0]) < 1e-3
     assert torch.equal(outs["split"][1], outs["reference"][1])
     assert len(calls) <= 2  # the forward and generate's prefill: one conversion for all routed layers
+
+
+def test_the_decode_kernel_compiles_a_few_variants_as_its_cache_grows():
+    """A decode step's selection tables grow by one key group every few steps; Triton specialises an
+    integer argument on being 1 or a multiple of 16, so without ``do_not_specialize`` on the growing
+    ones the kernel compiled again every few hundred keys (14 variants between 2,048 and 40,000). The
+    outputs are checked against dense SDPA over the same keys (a full selection)."""
+    from elasticfw.attention.layout import RowSelection
+    from elasticfw.attention.seq import SeqInfo
+    from elasticfw.kernels import decode_attention as dec
+
+    def variants(fn):
+        return sum(len(cache[0]) for cache in fn.device_caches.values())
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hq, hkv, dim, cap = 32, 8, 128, 40_960
+    k = torch.randn(1, hkv, cap, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(1, hkv, cap, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    before = variants(dec._decode_split_kernel), variants(dec._merge_kernel)
+    for n in range(2048, 40_000, 1_013):
+        q = torch.randn(1, hq, 1, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        groups = -(-n // 64)
+        sel = RowSelection(torch.ones(1, 1, 1, groups, dtype=torch.bool, device="cuda"), 64, row_block=1)
+        seq = SeqInfo(q_start=torch.tensor([n - 1], device="cuda"), q_len=1,
+                      kv_len=torch.tensor([n], device="cuda"), kv_capacity=cap)
+        out, _ = dec.decode_attention(q, k, v, sel, seq, scale=dim**-0.5)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.float(), k[:, :, :n].float(), v[:, :, :n].float(), scale=dim**-0.5, enable_gqa=True)
+        torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    after = variants(dec._decode_split_kernel), variants(dec._merge_kernel)
+    assert after[0] - before[0] <= 2 and after[1] - before[1] <= 2, (before, after)

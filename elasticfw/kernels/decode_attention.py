@@ -100,14 +100,16 @@ def _multiprocessors(index: int) -> int:
 def num_splits(device: torch.device, programs_per_split: int, chunks: int) -> int:
     """Key ranges per (sample, KV head): about two programs per streaming multiprocessor on a GPU
     (four ranges under the interpreter), at least enough that no range exceeds
-    :data:`SPLIT_CHUNKS` chunks (up to :data:`SPLIT_CHUNKS_MAX_SPLITS` ranges) nor
-    :data:`MAX_CHUNKS_PER_SPLIT`, and never more ranges than chunks."""
+    :data:`SPLIT_CHUNKS` chunks, both up to :data:`SPLIT_CHUNKS_MAX_SPLITS` ranges (one sample of
+    one KV head would otherwise ask 264 ranges of an H100, and the merge a 512-row tile per head);
+    always enough that no range exceeds :data:`MAX_CHUNKS_PER_SPLIT`, and never more ranges than
+    chunks."""
     if device.type == "cuda":
         target = 2 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
     else:
         target = 4 * programs_per_split
-    splits = max(cdiv(target, max(programs_per_split, 1)), min(cdiv(chunks, SPLIT_CHUNKS), SPLIT_CHUNKS_MAX_SPLITS),
-                 cdiv(chunks, MAX_CHUNKS_PER_SPLIT))
+    wanted = max(cdiv(target, max(programs_per_split, 1)), cdiv(chunks, SPLIT_CHUNKS))
+    splits = max(min(wanted, SPLIT_CHUNKS_MAX_SPLITS), cdiv(chunks, MAX_CHUNKS_PER_SPLIT))
     return max(1, min(splits, chunks))
 
 
@@ -121,7 +123,14 @@ def _row_flags(sel_ptr, b, h, stride_b, stride_h, stride_g, sel_group, group_siz
                    mask=row_ok[:, None] & (g < groups)[None, :], other=0) != 0
 
 
-@triton.jit
+#: the split kernel's integers that change as a cache grows (the selection tables' group counts and
+#: strides, the key ranges): Triton specialises an integer on being 1 or a multiple of 16, so each
+#: would compile another variant every few decode steps (14 of the split kernel between 2,048 and
+#: 40,000 keys before these were excluded)
+_GROWING = ("stride_ab", "stride_ah", "stride_bb", "stride_bh", "groups_a", "groups_b", "chunks_per_split", "splits")
+
+
+@triton.jit(do_not_specialize=_GROWING)
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, sel_a, sel_b, second_ptr, keep_ptr, q_start_ptr, kv_len_ptr, work_ptr, m_off, l_off,
     stride_qb, stride_qh, stride_qd,
@@ -192,7 +201,7 @@ def _decode_split_kernel(
     tl.store(work_ptr + l_off + part, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("splits",))
 def _merge_kernel(work_ptr, m_off, l_off, out_ptr, lse_ptr, stride_ob, stride_oh, stride_od, hq, splits,
                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr):
     row = tl.program_id(0)  # b * hq + h
