@@ -291,6 +291,22 @@ def test_decode_host_timing_tool_writes_its_figures(tmp_path):
         tool.main(["--device", "cpu", "--blocks", "0"])
 
 
+def test_decode_host_timing_tool_refuses_a_cpu_without_the_interpreter(monkeypatch, capsys):
+    """``--no-launch`` on a CPU still runs the kernel's host code, which asks for Triton on the
+    device: without ``TRITON_INTERPRET=1`` the tool says so before timing (it used to fail mid-run)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "decode_host_timing.py"
+    spec = importlib.util.spec_from_file_location("decode_host_timing", path)
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(SystemExit):
+        tool.main(["--device", "cpu", "--no-launch", "--tokens", "64", "--calls", "1"])
+    assert "TRITON_INTERPRET=1" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(split_module.triton_unavailable(torch.device("cpu")) is not None,
                     reason="needs Triton's interpreter")
 def test_decode_host_timing_tool_times_the_kernel_at_each_split_count(tmp_path, monkeypatch):

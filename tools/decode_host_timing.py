@@ -13,7 +13,8 @@ per call until the last one is enqueued, ``with_gpu_us`` until the GPU has finis
 * ``dense sdpa`` — one dense decode SDPA call over every key (GQA), what a layer of the dense
   model dispatches;
 * ``decode_attention`` — the Triton decode kernel of both modes' heads
-  (:func:`elasticfw.kernels.decode_attention.decode_attention`, its two launches and their host code);
+  (:func:`elasticfw.kernels.decode_attention.decode_attention`, its two launches and their host code),
+  called as the split executor calls it (``checked=True``: the executor has run the input checks);
 * ``split attend_routed`` — the split executor's whole routed call (its checks, then the kernel);
 * ``torch.empty x5`` — five small allocations, a yardstick of the host's speed;
 * ``decode_attention splits=N`` (with ``--splits N ...``) — the kernel with ``N`` key ranges per
@@ -25,7 +26,8 @@ per call until the last one is enqueued, ``with_gpu_us`` until the GPU has finis
 own time). On a CPU without a GPU the kernels run under ``TRITON_INTERPRET=1`` (slow: for a smoke
 run only, ``--tokens 256 --calls 2``). ``--no-launch`` replaces the decode kernel's two launches by
 no-ops, so that ``decode_attention`` and ``split attend_routed`` time the host code around the
-launches alone, on any machine (a CPU under the interpreter included; ``dense sdpa`` still computes).
+launches alone (on a CPU with ``TRITON_INTERPRET=1``: the kernel's host code asks for Triton on
+the device; ``dense sdpa`` still computes).
 ``--json FILE`` writes the figures with the environment.
 """
 
@@ -47,6 +49,7 @@ import torch.nn.functional as F
 
 from elasticfw.atomic import atomic_write_text
 from elasticfw.attention.seq import SeqInfo
+from elasticfw.kernels import triton_unavailable
 from elasticfw.kernels.block_sparse_attention import layout_selection
 from elasticfw.provenance import environment
 from elasticfw.registry import get_registry
@@ -124,7 +127,8 @@ def _run(args: argparse.Namespace, decode_module: Any) -> dict[str, Any]:
     scale = HEAD_DIM**-0.5
 
     def kernel() -> object:
-        return decode_module.decode_attention(q, k, v, sel_r, seq, scale=scale, second=sel_s, second_heads=hard)
+        return decode_module.decode_attention(q, k, v, sel_r, seq, scale=scale, second=sel_s, second_heads=hard,
+                                              checked=True)
 
     pieces: dict[str, Callable[[], object]] = {
         "dense sdpa": lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True),
@@ -136,7 +140,7 @@ def _run(args: argparse.Namespace, decode_module: Any) -> dict[str, Any]:
     }
     for n in args.splits:
         pieces[f"decode_attention splits={n}"] = lambda n=n: decode_module.decode_attention(
-            q, k, v, sel_r, seq, scale=scale, second=sel_s, second_heads=hard, splits=n)
+            q, k, v, sel_r, seq, scale=scale, second=sel_s, second_heads=hard, splits=n, checked=True)
     report: dict[str, Any] = {
         "benchmark": "decode_host_timing", "environment": environment(device), "tokens": args.tokens,
         "calls": args.calls, "no_launch": args.no_launch, "us": {},
@@ -173,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocks", type=int, default=1, help="blocks of --calls calls per piece (median and fastest)")
     p.add_argument("--cprofile", type=int, default=0, metavar="N", help="also cProfile N decode_attention calls")
     p.add_argument("--no-launch", action="store_true",
-                   help="replace the decode kernel's two launches by no-ops: the host code alone (a CPU works)")
+                   help="replace the decode kernel's two launches by no-ops: the host code alone (on a CPU: with "
+                        "TRITON_INTERPRET=1)")
     p.add_argument("--json", type=Path, default=None, help="write the figures with the environment")
     p.add_argument("--splits", type=int, nargs="*", default=[], metavar="N",
                    help="also time the decode kernel with N key ranges per (sample, KV head), for each N")
@@ -182,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--tokens, --calls and --blocks must be >= 1, --warmup >= 0")
     if any(n < 1 for n in args.splits):
         p.error(f"--splits values are key ranges per (sample, KV head), >= 1; got {args.splits}")
+    reason = triton_unavailable(torch.device(args.device))
+    if reason is not None:
+        p.error(f"the decode kernel cannot run on --device {args.device}: {reason}")
     report = run(args)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
