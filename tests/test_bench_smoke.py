@@ -110,6 +110,12 @@ def test_rebase_divides_by_the_mean_of_the_baselines_first_and_last_times():
     assert rows[1]["ratio_vs_b"] == pytest.approx(0.5) and rows[0]["ratio_vs_b"] == pytest.approx(100 / 105)
     assert rows[0]["baseline_spread"] == pytest.approx(10 / 105) and rows[0]["baseline_ms_first_last"] == [100, 110]
     assert rows[2]["ratio_vs_b"] == 0.5 and rows[3]["ratio_vs_b"] == 0.25
+    # the first baseline time failed: the last one divides (as targets does), no spread
+    rows = [{"seq": 8, "name": "b", "kind": "fwd", "ms": None, "error": "RuntimeError"},
+            {"seq": 8, "name": "x", "kind": "fwd", "ms": 55.0, "ratio_vs_b": None},
+            {"seq": 8, "name": "b@end", "kind": "fwd", "ms": 110.0}]
+    bench.rebase(rows, 8, "b")
+    assert rows[1]["ratio_vs_b"] == pytest.approx(0.5) and "baseline_spread" not in rows[0]
 
 
 def test_hybrid_layout_keeps_the_first_kv_heads_full():

@@ -322,3 +322,43 @@ def test_a_non_finite_value_is_no_value_and_the_targets_file_is_still_written(tm
     entry = _by_figure(targets)["block-sparse kernel @128K: 100% block density / dense cuDNN"]
     assert entry["value"] is None and entry["met"] is False and "non-finite" in entry["note"]
     assert json.loads(path.read_text()) == targets
+
+
+def test_a_failed_split_row_is_no_value_not_the_flex_rows():
+    """The flex row stands in only where the run has no split row: a split row that failed (out of
+    memory, say) leaves the figure without a value, not with flex's possibly faster time."""
+    rows = [r if r["name"] != "split:xattention" else {**r, "ms": None, "error": "OutOfMemoryError: ..."}
+            for r in ATTENTION["results"]]
+    rows = [r if r["name"] != "flex:xattention" else {**r, "ms": 10.0} for r in rows]
+    got = _by_figure(build_targets({"a.json": {**ATTENTION, "results": rows}}))
+    xa = got["xattention / moba / nsa layer @128K (plan + kernel) / dense [xattention]"]
+    assert xa["value"] is None and xa["met"] is False
+
+
+def test_non_finite_limits_and_baselines_still_write_the_targets_file(tmp_path):
+    rows = [r if r["name"] != "layout:moba" else {**r, "esr_mean": float("nan")} for r in ATTENTION["results"]]
+    rows.append(_att("sdpa_cudnn@end", "fwd", float("inf")))
+    (tmp_path / "a.json").write_text(json.dumps({**ATTENTION, "results": rows}))
+    path, targets = write_targets(tmp_path)
+    got = _by_figure(json.loads(path.read_text()))
+    moba = got["xattention / moba / nsa layer @128K (plan + kernel) / dense [moba]"]
+    assert moba["target"] is None and moba["met"] is False
+    fa = got[FA_SSA_FULL_NAME]  # an infinite second baseline time is no time: the first one divides
+    assert fa["value"] == pytest.approx(40 / 250) and "baseline_spread" not in fa
+
+
+def test_an_environment_that_is_not_an_object_is_no_environment():
+    got = _by_figure(build_targets({"a.json": {**ATTENTION, "environment": "cuda"},
+                                    "d.json": {"benchmark": "demo_cpu", **DEMO, "environment": "cpu"}}))
+    assert got[FA_SSA_FULL_NAME]["value"] is None and "not a GPU" in got[FA_SSA_FULL_NAME]["note"]
+    assert got["CPU (2 cores), demo at 1.4K tokens: all-streaming time / full time"]["met"] is True  # threads: 2
+
+
+def test_dates_are_compared_as_moments_not_strings():
+    """10:30 at +02:00 is 08:30 UTC, before 09:00 UTC: the 09:00 run is the later one."""
+    early = {**ATTENTION, "environment": {**SETUP["environment"], "date": "2026-12-06T10:30:00+02:00"}}
+    late_rows = [r if r["name"] != "split:hybrid(full+streaming,msr=0.875)" else {**r, "ms": 35.0}
+                 for r in ATTENTION["results"]]
+    late = {**ATTENTION, "results": late_rows, "environment": {**SETUP["environment"], "date": "2026-12-06T09:00:00Z"}}
+    fa = _by_figure(build_targets({"b.json": early, "a.json": late}))[FA_SSA_FULL_NAME]
+    assert fa["source"] == "a.json" and fa["superseded"] == ["b.json"]

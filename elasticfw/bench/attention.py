@@ -91,6 +91,7 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
     dtype = DTYPES[args.dtype]
     B, hq, hkv, D = args.batch, args.q_heads, args.kv_heads, args.head_dim
     scale = D**-0.5
+    first_row = len(rec.rows)  # this length's rows start here (--seq may name a length twice)
     g = torch.Generator(device="cpu").manual_seed(0)
     if args.inputs == "structured":  # sinks, locality and recurring topics (elasticfw.bench.inputs)
         q0, k0, v0 = (t.to(device, dtype) for t in structured_qkv(B, hq, hkv, S, D, seed=0))
@@ -336,24 +337,27 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
     for name, backend in backends:
         if name == args.baseline_name:
             sdpa_rows(name, backend, repeat=True)
-    rebase(rec.rows, S, args.baseline_name)
+    rebase(rec.rows[first_row:], S, args.baseline_name)
 
 
 def rebase(rows: list[dict[str, Any]], seq: int, baseline: str) -> None:
-    """Divide every ``ratio_vs_<baseline>`` of length ``seq`` by the mean of the baseline's first and
-    last (``<baseline>@end``) times of its kind, and record both and their relative spread on the
-    first baseline row. A kind without both times keeps its ratios (against the first time)."""
+    """Divide every ``ratio_vs_<baseline>`` of length ``seq`` in ``rows`` (one length's rows) by the
+    mean of the baseline's first and last (``<baseline>@end``) times of its kind, and record both and
+    their relative spread on the first baseline row. A kind with one of the two times divides by
+    that one (as :mod:`elasticfw.bench.targets` does); with neither, its ratios stay ``None``."""
     key = "ratio_vs_" + baseline
     for kind in ("fwd", "fwd_bwd"):
         pair = [next((r for r in rows if r.get("seq") == seq and r.get("kind") == kind and r.get("name") == n
                       and r.get("ms") is not None), None) for n in (baseline, baseline + BASELINE_AGAIN)]
-        first, last = pair
-        if first is None or last is None:
+        times = [r["ms"] for r in pair if r is not None]
+        if not times:
             continue
-        mean = (first["ms"] + last["ms"]) / 2
-        first["baseline_ms_first_last"] = [first["ms"], last["ms"]]
-        first["baseline_spread"] = abs(first["ms"] - last["ms"]) / mean
-        first["baseline_ms_mean"] = mean
+        mean = sum(times) / len(times)
+        first, last = pair
+        if first is not None and last is not None:
+            first["baseline_ms_first_last"] = [first["ms"], last["ms"]]
+            first["baseline_spread"] = abs(first["ms"] - last["ms"]) / mean
+            first["baseline_ms_mean"] = mean
         for r in rows:
             if r.get("seq") == seq and r.get("kind") == kind and r.get("ms") is not None:
                 r[key] = r["ms"] / mean

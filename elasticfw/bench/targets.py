@@ -37,6 +37,7 @@ Each entry also carries its source's ``gpu`` and ``git_commit``.
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import math
 from collections.abc import Callable
@@ -96,6 +97,25 @@ SHAPE = {"batch": 1, "q_heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bf
 STREAMING = {"sink_tokens": 128, "local_tokens": 2048}
 
 
+def _environment(data: Any) -> dict[str, Any]:
+    """A JSON's ``environment`` (``{}`` where it has none, or one that is not an object)."""
+    env = data.get("environment") if isinstance(data, dict) else None
+    return env if isinstance(env, dict) else {}
+
+
+def _timestamp(data: Any) -> float | None:
+    """A JSON's ``environment.date`` as POSIX seconds (ISO 8601, a trailing ``Z`` or any offset;
+    without an offset: UTC), or ``None`` where it has none or it does not parse."""
+    date = _environment(data).get("date")
+    if not isinstance(date, str):
+        return None
+    try:
+        when = _dt.datetime.fromisoformat(date.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return (when if when.tzinfo else when.replace(tzinfo=_dt.timezone.utc)).timestamp()
+
+
 def setup_mismatch(kind: str, data: dict[str, Any]) -> str | None:
     """Why a benchmark JSON's setup is not the one the table's figures are of, or ``None``: the GPU
     benchmarks ran on CUDA; the attention benchmark's shape, inputs (structured), default mode and
@@ -103,7 +123,7 @@ def setup_mismatch(kind: str, data: dict[str, Any]) -> str | None:
     64, block granularity); the prefill benchmark's dtype and streaming window (block 64); the
     router's kind (``mlp``) and shape (32 layers of the attention shape), and a run that timed
     ``decide`` alone; the density benchmark's shape; the demo on 2 CPU threads."""
-    env = data.get("environment") or {}
+    env = _environment(data)
     if kind == "demo_cpu":
         threads = data.get("threads", env.get("threads"))
         if threads != 2:
@@ -167,7 +187,7 @@ def _attention(data: dict[str, Any]) -> dict[str, float | None]:
     seq = LONG  # the table's figures are at 128K: a run without its 128K rows answers none of them
     # the baseline timed first and again last (a GPU's clock drifts over a run): their mean
     times = [m for m in (_ms(rows, n, "fwd", seq) for n in ("sdpa_cudnn", "sdpa_cudnn" + BASELINE_AGAIN))
-             if m is not None]
+             if m is not None and math.isfinite(m) and m > 0]
     base = sum(times) / len(times) if times else None
     out: dict[str, float | None] = {
         "baseline_spread": abs(times[0] - times[1]) / base if len(times) == 2 and base else None
@@ -177,10 +197,11 @@ def _attention(data: dict[str, Any]) -> dict[str, float | None]:
         return None if ms is None or base is None else ms / base
 
     def first(*names: str) -> float | None:
+        """The time of the first of ``names`` with a row at ``seq`` (``None`` if that row failed: a
+        failed split row is no value, not the flex row's)."""
         for name in names:
-            ms = _ms(rows, name, "fwd", seq)
-            if ms is not None:
-                return ms
+            if any(r.get("name") == name and r.get("kind") == "fwd" and r.get("seq") == seq for r in rows):
+                return _ms(rows, name, "fwd", seq)
         return None
 
     out["fa_ssa_layer"] = ratio(first(f"split:{STREAMING_HYBRID}", f"flex:{STREAMING_HYBRID}"))
@@ -199,8 +220,9 @@ def _attention(data: dict[str, Any]) -> dict[str, float | None]:
             (r for r in rows if r.get("name") == f"layout:{mode}" and r.get("seq") == seq and r.get("error") is None), {}
         )
         esr = esr_row.get("esr_mean")
+        ok = isinstance(esr, (int, float)) and math.isfinite(esr)
         # the limit of this run's layer: 1.15 x (1 - ESR) + the planning target, from this run's ESR
-        out[f"limit:{mode}"] = None if esr is None else 1.15 * (1.0 - float(esr)) + PLANNING[mode][1]
+        out[f"limit:{mode}"] = 1.15 * (1.0 - float(esr)) + PLANNING[mode][1] if ok and esr is not None else None
     return out
 
 
@@ -279,10 +301,9 @@ def build_targets(jsons: dict[str, Any]) -> list[dict[str, Any]]:
     mismatches: dict[str, str] = {}  # source -> why its setup is not the table's: no figure from it
     failures: dict[str, str] = {}  # source -> its failed correctness checks: its figures are not met
 
-    def when(name: str) -> tuple[str, str]:
-        env = jsons[name].get("environment") if isinstance(jsons[name], dict) else None
-        date = env.get("date") if isinstance(env, dict) else None
-        return (str(date) if date else "", name)
+    def when(name: str) -> tuple[bool, float, str]:
+        stamp = _timestamp(jsons[name])
+        return (stamp is not None, stamp or 0.0, name)
 
     for name in sorted(jsons, key=when):
         kind = _kind(jsons[name])
@@ -305,12 +326,14 @@ def build_targets(jsons: dict[str, Any]) -> list[dict[str, Any]]:
 
     def entry(figure: str, target: float | None, op: str, kind: str, key: str) -> dict[str, Any]:
         value, source = values.get((kind, key), (None, ""))
-        env = (jsons[source].get("environment") or {}) if source else {}
+        env = _environment(jsons[source]) if source else {}
         note = mismatches.get(source) or failures.get(source)
         if source in mismatches:
             value = None  # a figure of another setup is not this figure
         if value is not None and not math.isfinite(value):
             note, value = note or f"non-finite value {value} in {source}", None  # JSON has no NaN/inf
+        if target is not None and not math.isfinite(target):
+            note, target = note or f"non-finite target {target} from {source}", None
         ok = (note is None and value is not None and target is not None
               and (value <= target if op == "<=" else value >= target))
         row = {"figure": figure, "value": value, "target": target, "met": bool(ok), "source": source,
@@ -320,7 +343,7 @@ def build_targets(jsons: dict[str, Any]) -> list[dict[str, Any]]:
         if superseded.get((kind, key)):
             row["superseded"] = superseded[(kind, key)]
         spread = read.get(source, {}).get("baseline_spread") if kind == "elasticfw.bench.attention" else None
-        if spread is not None:
+        if spread is not None and math.isfinite(spread):
             row["baseline_spread"] = spread
         return row
 

@@ -124,10 +124,11 @@ def _row_flags(sel_ptr, b, h, stride_b, stride_h, stride_g, sel_group, group_siz
 
 
 #: the split kernel's integers that change as a cache grows (the selection tables' group counts and
-#: strides, the key ranges): Triton specialises an integer on being 1 or a multiple of 16, so each
+#: strides, the key ranges, the partials' offsets): Triton specialises an integer on being 1 or a multiple of 16, so each
 #: would compile another variant every few decode steps (14 of the split kernel between 2,048 and
 #: 40,000 keys before these were excluded)
-_GROWING = ("stride_ab", "stride_ah", "stride_bb", "stride_bh", "groups_a", "groups_b", "chunks_per_split", "splits")
+_GROWING = ("stride_ab", "stride_ah", "stride_bb", "stride_bh", "groups_a", "groups_b", "chunks_per_split", "splits",
+            "m_off", "l_off")
 
 
 @triton.jit(do_not_specialize=_GROWING)
@@ -201,7 +202,7 @@ def _decode_split_kernel(
     tl.store(work_ptr + l_off + part, l_i, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=("splits",))
+@triton.jit(do_not_specialize=("splits", "m_off", "l_off"))
 def _merge_kernel(work_ptr, m_off, l_off, out_ptr, lse_ptr, stride_ob, stride_oh, stride_od, hq, splits,
                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr):
     row = tl.program_id(0)  # b * hq + h
