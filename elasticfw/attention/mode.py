@@ -263,8 +263,12 @@ def attend_routed(
     branch (NSA's compressed keys) is merged into its own heads by log-sum-exp. ``hard_host``:
     ``hard`` on the CPU when the caller has it, passed on to an executor that takes it
     (:attr:`~elasticfw.attention.executor.Executor.takes_host_routing`)."""
-    extras = [(mode.side_branch(q, k, v, seq, scale=scale), heads) for mode, heads in ((sparse, hard), (retrieval, ~hard))]
-    need_lse = need_lse or any(extra is not None for extra, _ in extras)
+    # each mode's side branch with the heads it joins (``~hard`` only where the retrieval mode has one:
+    # a decode step's host time is its cost, and most modes have none)
+    extras = [(extra, hard if to_sparse else ~hard) for extra, to_sparse in
+              ((sparse.side_branch(q, k, v, seq, scale=scale), True),
+               (retrieval.side_branch(q, k, v, seq, scale=scale), False)) if extra is not None]
+    need_lse = need_lse or bool(extras)
     lay_r, lay_s = layouts
     if hard.shape != q.shape[:2]:
         raise UnsupportedInputError(
@@ -277,12 +281,11 @@ def attend_routed(
         result = executor.attend_routed(q, k, v, seq, hard=hard, layouts=layouts, scale=scale, need_lse=need_lse,
                                         **host)
     for extra, heads in extras:
-        if extra is not None:
-            merged = merge_lse(result, extra)
-            # merge_lse raised unless result.lse was set, and it always returns an lse
-            assert merged.lse is not None and result.lse is not None
-            result = AttentionOutput(
-                torch.where(heads[:, :, None, None], merged.out, result.out),
-                torch.where(heads[:, :, None], merged.lse, result.lse),
-            )
+        merged = merge_lse(result, extra)
+        # merge_lse raised unless result.lse was set, and it always returns an lse
+        assert merged.lse is not None and result.lse is not None
+        result = AttentionOutput(
+            torch.where(heads[:, :, None, None], merged.out, result.out),
+            torch.where(heads[:, :, None], merged.lse, result.lse),
+        )
     return result
