@@ -57,13 +57,16 @@ def test_bench_runs_every_registered_mode_on_cpu(tmp_path):
     assert any(r["name"].startswith("flex:hybrid(") for r in timed)
 
 
+class Broken:
+    """A mode whose layout always fails."""
+
+    name = "broken"
+
+    def build_layout(self, q, k, seq):
+        raise RuntimeError("boom")
+
+
 def test_a_failing_mode_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
-    class Broken:
-        name = "broken"
-
-        def build_layout(self, q, k, seq):
-            raise RuntimeError("boom")
-
     streaming = make_mode("streaming", {"block_size": 16, "sink_tokens": 16, "local_tokens": 32})
     monkeypatch.setattr(bench, "bench_modes", lambda args: [Broken(), streaming])
     out = tmp_path / "bench.json"
@@ -79,12 +82,6 @@ def test_a_failing_mode_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
 def test_a_mode_failing_where_its_check_length_is_sought_fails_that_check_only(tmp_path, monkeypatch):
     """Finding each mode's check length builds its layout: a mode that fails there is a failed check
     row, and the other modes are still checked and timed (it used to end the run, leaving no JSON)."""
-    class Broken:
-        name = "broken"
-
-        def build_layout(self, q, k, seq):
-            raise RuntimeError("boom")
-
     streaming = make_mode("streaming", {"block_size": 16, "sink_tokens": 16, "local_tokens": 32})
     monkeypatch.setattr(bench, "bench_modes", lambda args: [Broken(), streaming])
     monkeypatch.setattr(attention_checks, "bench_modes", lambda args: [Broken(), streaming])
