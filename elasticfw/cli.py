@@ -204,7 +204,12 @@ def _cmd_bench_passthrough(args: argparse.Namespace) -> int:
 def _cmd_bench_targets(args: argparse.Namespace) -> int:
     from elasticfw.bench.targets import describe, write_targets
 
-    path, targets = write_targets(Path(args.folder), out=Path(args.out) if args.out else None)
+    try:
+        path, targets = write_targets(Path(args.folder), out=Path(args.out) if args.out else None,
+                                      also=tuple(Path(a) for a in args.also))
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     for t in targets:
         print(describe(t))
     print(f"wrote {path}")
@@ -227,6 +232,8 @@ def _add_bench(sub: Any) -> None:
     p = bsub.add_parser("targets", help="targets.json (issue 10's figures) from the benchmark JSONs of a folder")
     p.add_argument("folder", help="folder holding the benchmark JSONs (attention, prefill, router, demo)")
     p.add_argument("--out", help="where to write (default: FOLDER/targets.json)")
+    p.add_argument("--also", nargs="+", default=[], metavar="JSON",
+                   help="benchmark JSONs of an earlier run to read where they lie (each its own source)")
     p.set_defaults(func=_cmd_bench_targets)
 
 

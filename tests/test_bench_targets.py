@@ -362,3 +362,22 @@ def test_dates_are_compared_as_moments_not_strings():
     late = {**ATTENTION, "results": late_rows, "environment": {**SETUP["environment"], "date": "2026-12-06T09:00:00Z"}}
     fa = _by_figure(build_targets({"b.json": early, "a.json": late}))[FA_SSA_FULL_NAME]
     assert fa["source"] == "a.json" and fa["superseded"] == ["b.json"]
+
+
+def test_an_earlier_runs_jsons_are_read_where_they_lie(tmp_path, capsys):
+    """``--also`` adds JSON files of another folder as sources named by their path (not copied);
+    a missing one is refused with its name, and targets.json is not written."""
+    from elasticfw.cli import main
+
+    run, old = tmp_path / "run", tmp_path / "old"
+    run.mkdir(), old.mkdir()
+    (run / "demo_cpu.json").write_text(json.dumps({"benchmark": "demo_cpu", **DEMO}))
+    (old / "attention_128k.json").write_text(json.dumps(ATTENTION))
+    assert main(["bench", "targets", str(run), "--also", str(old / "attention_128k.json")]) == 0
+    got = _by_figure(json.loads((run / "targets.json").read_text()))
+    assert got[FA_SSA_FULL_NAME]["source"] == str(old / "attention_128k.json")
+    assert got[FA_SSA_FULL_NAME]["value"] == pytest.approx(40 / 250)
+    assert got["CPU (2 cores), demo at 1.4K tokens: all-streaming time / full time"]["source"] == "demo_cpu.json"
+    (run / "targets.json").unlink()
+    assert main(["bench", "targets", str(run), "--also", str(old / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err and not (run / "targets.json").exists()

@@ -385,9 +385,20 @@ def load_jsons(folder: Path) -> dict[str, Any]:
     return out
 
 
-def write_targets(folder: Path, out: Path | None = None) -> tuple[Path, list[dict[str, Any]]]:
-    """``build_targets`` over ``folder``'s JSONs, written to ``out`` (default ``folder/targets.json``)."""
-    targets = build_targets(load_jsons(folder))
+def write_targets(folder: Path, out: Path | None = None, also: tuple[Path, ...] = ()) -> tuple[Path, list[dict[str, Any]]]:
+    """``build_targets`` over ``folder``'s JSONs and the JSON files ``also`` (an earlier run's, read
+    where they lie rather than copied; each is its own source, named by its path as given, and one
+    that is missing or unreadable raises ``ValueError``), written to ``out`` (default
+    ``folder/targets.json``)."""
+    jsons = load_jsons(folder)
+    for extra in also:
+        if str(extra) in jsons:
+            raise ValueError(f"bench targets: {extra} is also a file of {folder}; name it by a path with its folder")
+        try:
+            jsons[str(extra)] = json.loads(extra.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"bench targets: --also {extra}: cannot read a JSON there ({exc})") from exc
+    targets = build_targets(jsons)
     path = out or folder / "targets.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(targets, indent=2, allow_nan=False) + "\n")
