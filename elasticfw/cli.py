@@ -17,7 +17,7 @@
     elasticfw bench prefill --out F [...]      # model-level time to first token, dense vs elastic
     elasticfw bench attention --out F [...]    # attention kernels per mode (python -m elasticfw.bench.attention)
     elasticfw bench router --out F [...]       # router overhead (python -m elasticfw.bench.router)
-    elasticfw bench targets DIR                # DIR/targets.json: issue 10's figures from the JSONs in DIR
+    elasticfw bench targets DIR [--also F ...] # DIR/targets.json: issue 10's figures from the JSONs in DIR (and F)
 
 Errors elasticfw raises on purpose print as one paragraph and exit with status 2; anything else
 is a bug and keeps its traceback.
