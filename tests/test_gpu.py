@@ -127,8 +127,8 @@ def test_split_reuses_one_blockmask_per_forward_and_decodes_without_tile_padding
 def test_the_decode_kernel_compiles_a_few_variants_as_its_cache_grows():
     """A decode step's cache and selection tables grow with every step; Triton specialises an integer
     argument on being 1 or a multiple of 16, so without ``do_not_specialize`` on the growing ones the
-    kernel compiled again every few hundred keys (9 split-kernel variants over this loop, Triton's
-    specialisation keys computed on the CPU by a review). The cache's capacity grows with its
+    kernel compiled again every few hundred keys (7 split-kernel variants over this loop, 2 now:
+    Triton's specialisation keys computed on the CPU by a review). The cache's capacity grows with its
     length here, as a growing KV store's does (at a fixed capacity only the group count changes,
     and the old code compiled 2 variants: no failure). The outputs are checked against dense SDPA
     over the same keys (a full selection)."""

@@ -125,8 +125,9 @@ def _row_flags(sel_ptr, b, h, stride_b, stride_h, stride_g, sel_group, group_siz
 
 #: the split kernel's integers that change as a cache grows (the selection tables' group counts and
 #: strides, the key ranges, the partials' offsets): Triton specialises an integer on being 1 or a multiple of 16, so each
-#: would compile another variant every few decode steps (14 of the split kernel between 2,048 and
-#: 40,000 keys before these were excluded)
+#: would compile another variant every few decode steps (7 of the split kernel between 2,048 and
+#: 40,000 keys at the Llama-3.1-8B shape before these were excluded, 2 after: Triton's keys computed
+#: on the CPU)
 _GROWING = ("stride_ab", "stride_ah", "stride_bb", "stride_bh", "groups_a", "groups_b", "chunks_per_split", "splits",
             "m_off", "l_off")
 
