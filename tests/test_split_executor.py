@@ -442,6 +442,50 @@ def test_the_decode_kernel_verdict_is_asked_once_per_step_layouts_and_query_kind
     assert len(asked) == 6
 
 
+@pytest.mark.parametrize("decode_sparse", ["kernel", "gathered"])
+def test_a_steps_layouts_are_checked_once_per_call_geometry(decode_sparse, monkeypatch):
+    """A routed decode step's reusable layouts are checked once for the layers of a step (the
+    checks read only shapes): three layers check each layout once, against the float64 masked
+    attention. The same layout objects over a longer cache (their block grid no longer fits) or
+    another batch are checked again and refused, naming the layout; a layout not marked reusable
+    is checked at every call."""
+    if decode_sparse == "kernel" and split_module.triton_unavailable(torch.device("cpu")) is not None:
+        pytest.skip("needs Triton's interpreter")
+    q, k, v, _ = make_inputs((1, 8, 4, 1, 200, 16))
+    cpu = torch.device("cpu")
+    seq = SeqInfo.dense(1, 1, 200, cpu)  # known on the host: the gathered path splits the heads
+    hard = _hard(ROUTINGS["first-full"], 1, 8)
+    plain = (FULL.build_layout(q, k, seq), STREAM["block"].build_layout(q, k, seq))
+    shared = tuple(dataclasses.replace(layout, reusable=True) for layout in plain)
+    ex = SplitExecutor(SplitConfig(decode_sparse=decode_sparse))
+    checked = _count_calls(monkeypatch, split_module, "check_layout")
+    want = _masked(q, k, v, seq, hard, "block", 0.3)
+    for _ in range(3):  # three layers of one step
+        got = ex.attend_routed(q, k, v, seq, hard=hard, layouts=shared, scale=0.3, need_lse=False)
+        assert rel_rms(got.out, want) < 1e-5
+    assert len(checked) == 2
+    q2, k2, v2, _ = make_inputs((1, 8, 4, 1, 264, 16))  # the next step's cache, 64 keys (4 blocks) longer
+    longer = SeqInfo.dense(1, 1, 264, cpu)
+    with pytest.raises(UnsupportedInputError, match="argument 'layout'.*key blocks"):
+        ex.attend_routed(q2, k2, v2, longer, hard=hard, layouts=shared, scale=0.3, need_lse=False)
+    # layouts of two samples: checked at a batch of 2, then the same objects at a batch of 3
+    per_sample = tuple(dataclasses.replace(layout, blocks=layout.blocks.expand(2, -1, -1, -1).clone())
+                       for layout in shared)
+    for n in (2, 3):
+        inputs = [t.expand(n, -1, -1, -1) for t in (q, k, v)]
+        step = (inputs, SeqInfo.dense(n, 1, 200, cpu), hard.expand(n, -1))
+        if n == 2:
+            got = ex.attend_routed(*step[0], step[1], hard=step[2], layouts=per_sample, scale=0.3, need_lse=False)
+            assert rel_rms(got.out, want.expand(2, -1, -1, -1)) < 1e-5
+            continue
+        with pytest.raises(UnsupportedInputError, match="argument 'layout'.*a batch of 1 or 3"):
+            ex.attend_routed(*step[0], step[1], hard=step[2], layouts=per_sample, scale=0.3, need_lse=False)
+    before = len(checked)
+    for _ in range(2):
+        ex.attend_routed(q, k, v, seq, hard=hard, layouts=plain, scale=0.3, need_lse=False)
+    assert len(checked) == before + 4  # not reusable: both layouts at every call
+
+
 def test_the_gathered_path_computes_only_the_key_blocks_a_chunk_uses(monkeypatch):
     """Streaming at 1,024 tokens (sink 64, local 128, blocks of 64): each 128-row chunk attends to
     at most sink + local + chunk keys, not to every earlier key as the sdpa executor does."""
