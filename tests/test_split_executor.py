@@ -408,6 +408,22 @@ def test_a_decode_step_through_the_decode_kernel_is_one_launch(routing, monkeypa
                                       scale=0.3).out, want) < 1e-5
 
 
+def _three_layers_of_a_step(ex: SplitExecutor, seq: SeqInfo):
+    """Three layers of one routed decode step (B 1, Hq 8, Hkv 4, 200 keys, head dim 16; the first KV
+    head full, the others block streaming) over the same reusable layout objects, as the runtime
+    hands them, each output against the float64 masked attention. Returns ``(q, k, v, hard, the
+    layouts, the reusable ones)``."""
+    q, k, v, _ = make_inputs((1, 8, 4, 1, 200, 16))
+    hard = _hard(ROUTINGS["first-full"], 1, 8)
+    plain = (FULL.build_layout(q, k, seq), STREAM["block"].build_layout(q, k, seq))
+    shared = tuple(dataclasses.replace(layout, reusable=True) for layout in plain)
+    want = _masked(q, k, v, seq, hard, "block", 0.3)
+    for _ in range(3):
+        got = ex.attend_routed(q, k, v, seq, hard=hard, layouts=shared, scale=0.3, need_lse=False)
+        assert rel_rms(got.out, want) < 1e-5
+    return q, k, v, hard, plain, shared
+
+
 @pytest.mark.skipif(split_module.triton_unavailable(torch.device("cpu")) is not None,
                     reason="needs Triton's interpreter")
 def test_the_decode_kernel_verdict_is_asked_once_per_step_layouts_and_query_kind(monkeypatch):
@@ -415,17 +431,10 @@ def test_the_decode_kernel_verdict_is_asked_once_per_step_layouts_and_query_kind
     layout objects and q's dtype and head shape: the layers of a step ask once; a new layout object,
     a layout not marked reusable, or a q of another head dim asks again (head dim 272 is past the
     kernel's 256: the pinned kernel names it instead of running on the head dim 16 verdict)."""
-    q, k, v, _ = make_inputs((1, 8, 4, 1, 200, 16))
     seq = SeqInfo(torch.tensor([199]), torch.tensor([200]), 1, 200)
-    hard = _hard(ROUTINGS["first-full"], 1, 8)
-    plain = (FULL.build_layout(q, k, seq), STREAM["block"].build_layout(q, k, seq))
-    shared = tuple(dataclasses.replace(layout, reusable=True) for layout in plain)
     ex = SplitExecutor(SplitConfig(decode_sparse="kernel"))
     asked = _count_calls(monkeypatch, split_module, "_decode_kernel_reason")
-    want = _masked(q, k, v, seq, hard, "block", 0.3)
-    for _ in range(3):  # three layers of one step
-        got = ex.attend_routed(q, k, v, seq, hard=hard, layouts=shared, scale=0.3, need_lse=False)
-        assert rel_rms(got.out, want) < 1e-5
+    q, k, v, hard, plain, shared = _three_layers_of_a_step(ex, seq)
     assert len(asked) == 1
     ex.attend_routed(q, k, v, seq, hard=hard, layouts=plain, scale=0.3, need_lse=False)
     ex.attend_routed(q, k, v, seq, hard=hard, layouts=plain, scale=0.3, need_lse=False)
@@ -451,19 +460,13 @@ def test_a_steps_layouts_are_checked_once_per_call_geometry(decode_sparse, monke
     is checked at every call."""
     if decode_sparse == "kernel" and split_module.triton_unavailable(torch.device("cpu")) is not None:
         pytest.skip("needs Triton's interpreter")
-    q, k, v, _ = make_inputs((1, 8, 4, 1, 200, 16))
     cpu = torch.device("cpu")
     seq = SeqInfo.dense(1, 1, 200, cpu)  # known on the host: the gathered path splits the heads
-    hard = _hard(ROUTINGS["first-full"], 1, 8)
-    plain = (FULL.build_layout(q, k, seq), STREAM["block"].build_layout(q, k, seq))
-    shared = tuple(dataclasses.replace(layout, reusable=True) for layout in plain)
     ex = SplitExecutor(SplitConfig(decode_sparse=decode_sparse))
     checked = _count_calls(monkeypatch, split_module, "check_layout")
-    want = _masked(q, k, v, seq, hard, "block", 0.3)
-    for _ in range(3):  # three layers of one step
-        got = ex.attend_routed(q, k, v, seq, hard=hard, layouts=shared, scale=0.3, need_lse=False)
-        assert rel_rms(got.out, want) < 1e-5
+    q, k, v, hard, plain, shared = _three_layers_of_a_step(ex, seq)
     assert len(checked) == 2
+    want = _masked(q, k, v, seq, hard, "block", 0.3)
     q2, k2, v2, _ = make_inputs((1, 8, 4, 1, 264, 16))  # the next step's cache, 64 keys (4 blocks) longer
     longer = SeqInfo.dense(1, 1, 264, cpu)
     with pytest.raises(UnsupportedInputError, match="argument 'layout'.*key blocks"):
