@@ -311,7 +311,7 @@ class SplitExecutor(Executor):
         of reusable layout objects and call geometry: the checks read only the layouts' shapes and
         devices, which a reusable layout never changes (about 4 us of host time per layout and layer)."""
         key = (*map(id, layouts), q.shape[0], q.shape[1], k.shape[1], seq.q_len, seq.kv_capacity, q.device)
-        reusable = all(layout.reusable for layout in layouts)
+        reusable = all(isinstance(layout, BlockLayout) and layout.reusable for layout in layouts)
         hit = self._checked_layouts.get(key) if reusable else None
         if hit is not None and all(a is b for a, b in zip(hit, layouts, strict=True)):
             return
