@@ -474,15 +474,13 @@ def test_a_steps_layouts_are_checked_once_per_call_geometry(decode_sparse, monke
     # layouts of two samples: checked at a batch of 2, then the same objects at a batch of 3
     per_sample = tuple(dataclasses.replace(layout, blocks=layout.blocks.expand(2, -1, -1, -1).clone())
                        for layout in shared)
-    for n in (2, 3):
-        inputs = [t.expand(n, -1, -1, -1) for t in (q, k, v)]
-        step = (inputs, SeqInfo.dense(n, 1, 200, cpu), hard.expand(n, -1))
-        if n == 2:
-            got = ex.attend_routed(*step[0], step[1], hard=step[2], layouts=per_sample, scale=0.3, need_lse=False)
-            assert rel_rms(got.out, want.expand(2, -1, -1, -1)) < 1e-5
-            continue
-        with pytest.raises(UnsupportedInputError, match="argument 'layout'.*a batch of 1 or 3"):
-            ex.attend_routed(*step[0], step[1], hard=step[2], layouts=per_sample, scale=0.3, need_lse=False)
+    two, three = ([t.expand(n, -1, -1, -1) for t in (q, k, v)] for n in (2, 3))
+    got = ex.attend_routed(*two, SeqInfo.dense(2, 1, 200, cpu), hard=hard.expand(2, -1), layouts=per_sample,
+                           scale=0.3, need_lse=False)
+    assert rel_rms(got.out, want.expand(2, -1, -1, -1)) < 1e-5
+    with pytest.raises(UnsupportedInputError, match="argument 'layout'.*a batch of 1 or 3"):
+        ex.attend_routed(*three, SeqInfo.dense(3, 1, 200, cpu), hard=hard.expand(3, -1), layouts=per_sample,
+                         scale=0.3, need_lse=False)
     before = len(checked)
     for _ in range(2):
         ex.attend_routed(q, k, v, seq, hard=hard, layouts=plain, scale=0.3, need_lse=False)
