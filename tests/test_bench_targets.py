@@ -379,5 +379,12 @@ def test_an_earlier_runs_jsons_are_read_where_they_lie(tmp_path, capsys):
     assert got[FA_SSA_FULL_NAME]["value"] == pytest.approx(40 / 250)
     assert got["CPU (2 cores), demo at 1.4K tokens: all-streaming time / full time"]["source"] == "demo_cpu.json"
     (run / "targets.json").unlink()
+    # targets.json written elsewhere: the folder's own files are named by their path too
+    assert main(["bench", "targets", str(run), "--also", str(old / "attention_128k.json"),
+                 "--out", str(tmp_path / "targets.json")]) == 0
+    got = _by_figure(json.loads((tmp_path / "targets.json").read_text()))
+    demo = got["CPU (2 cores), demo at 1.4K tokens: all-streaming time / full time"]
+    assert demo["source"] == str(run / "demo_cpu.json") and demo["value"] == pytest.approx(60 / 80)
+    assert got[FA_SSA_FULL_NAME]["source"] == str(old / "attention_128k.json")
     assert main(["bench", "targets", str(run), "--also", str(old / "missing.json")]) == 2
     assert "missing.json" in capsys.readouterr().err and not (run / "targets.json").exists()

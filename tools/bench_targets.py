@@ -65,9 +65,10 @@ then ``targets``. ``demo-cpu`` times the old CPU demo (``results/demo-cpu.json``
 compare`` on the embedded SmolLM2-135M, passkey at 1,440 tokens, 20 samples, batch 4, 8 new tokens;
 full attention vs every head streaming with sink 64 / local 256), ``--executor`` (default
 ``split``, the old file used ``sdpa``), into ``demo_cpu.json``: after one untimed sample through
-every variant, ``--rounds`` (default 2) runs of each variant, the first variant alternating between rounds, seconds summed over the rounds (each
-round's in ``round_seconds``: on the 2-core machine one run of each gave ratios from 0.94 to 1.06
-in three runs of unchanged CPU code, more than the difference measured); ``--modes xattention moba
+every variant, ``--rounds`` (default 4) runs of each variant, the first variant alternating between rounds, seconds summed over the rounds (each
+round's in ``round_seconds``: on the 2-core machine single rounds of unchanged code gave ratios
+from 0.75 to 1.08, and two-round runs 0.81 to 0.95; the first four-round run's rounds gave 0.90 to
+0.93, ``results/bench/issue10-s23/``); ``--modes xattention moba
 nsa`` adds every head in each of those modes (``over_full``: each variant's seconds over full's).
 ``targets`` reads every JSON under
 ``--out`` (:func:`elasticfw.bench.targets.build_targets`) and writes ``targets.json``: copy a
@@ -288,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--name", default="demo_cpu.json")
     d.add_argument("--executor", default="split")
     d.add_argument("--samples", type=int, default=20)
-    d.add_argument("--rounds", type=_positive, default=2,
+    d.add_argument("--rounds", type=_positive, default=4,
                    help="runs of each variant, alternating which goes first; seconds are summed over them")
     d.add_argument("--modes", nargs="*", default=[],
                    help="also every head in each of these sparse modes (their defaults, 64-token blocks): all-<mode>")

@@ -389,8 +389,13 @@ def write_targets(folder: Path, out: Path | None = None, also: tuple[Path, ...] 
     """``build_targets`` over ``folder``'s JSONs and the JSON files ``also`` (an earlier run's, read
     where they lie rather than copied; each is its own source, named by its path as given, and one
     that is missing or unreadable raises ``ValueError``), written to ``out`` (default
-    ``folder/targets.json``)."""
+    ``folder/targets.json``). ``folder``'s files are sources named by their file name when
+    ``targets.json`` lies beside them, and by their path as given (``folder/name``) when ``out`` is
+    elsewhere, so that every source of e.g. ``results/bench/targets.json`` names where it lies."""
+    path = out or folder / "targets.json"
     jsons = load_jsons(folder)
+    if path.parent.resolve() != folder.resolve():
+        jsons = {str(folder / name): data for name, data in jsons.items()}
     for extra in also:
         if str(extra) in jsons:
             raise ValueError(f"bench targets: {extra} is also a file of {folder}; name it by a path with its folder")
@@ -399,7 +404,6 @@ def write_targets(folder: Path, out: Path | None = None, also: tuple[Path, ...] 
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"bench targets: --also {extra}: cannot read a JSON there ({exc})") from exc
     targets = build_targets(jsons)
-    path = out or folder / "targets.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(targets, indent=2, allow_nan=False) + "\n")
     return path, targets
