@@ -178,3 +178,51 @@ def test_a_key_range_holds_at_most_32_chunks_by_default(monkeypatch):
     out, lse = dec.decode_attention(q, k, v, sel, seq, scale=dim**-0.5)
     ref_out, ref_lse = _brute(q, k, v, selected, 16, seq, dim**-0.5, window=64)
     _check(out, lse, ref_out, ref_lse, 1e-5)
+
+
+def test_a_plan_is_made_once_per_selections_and_call_geometry(monkeypatch):
+    """The tables, tiles and splits are made once per tuple of selection objects and call geometry
+    (a decode step's layers share their selections): three layers over one selection make its table
+    once, and each meets the float64 definition; the same selection over a cache twice as long
+    (a plan of the shorter one would read half its keys), a routed call, a batch its table does not
+    fit (refused, not served from the plan of batch 2) and splits out of range are not served from
+    a plan."""
+    from collections import OrderedDict
+
+    import elasticfw.kernels.decode_attention as dec
+
+    monkeypatch.setattr(dec, "_PLANS", OrderedDict())
+    tables: list[int] = []
+    real_table = dec._table
+    monkeypatch.setattr(dec, "_table", lambda selection, *a: tables.append(id(selection)) or real_table(selection, *a))
+    g = torch.Generator().manual_seed(8)
+    selected = torch.rand(2, 2, 1, 16, generator=g) < 0.5  # 16 groups of 32 keys: a 512-key table
+    sel = RowSelection(selected[:1], 32, row_block=1, window=48)
+
+    def run(seq, seed, selection=sel, **kw):
+        q, k, v = _decode_inputs(seq, 4, 2, 16, torch.float32, seed)
+        out, lse = dec.decode_attention(q, k, v, selection, seq, scale=0.25, **kw)
+        table = selection.selected
+        _check(out, lse, *_brute(q, k, v, table, 32, seq, 0.25, window=48), 1e-5)
+
+    for layer in range(3):
+        run(SeqInfo.dense(1, 1, 256), seed=layer)
+    assert tables == [id(sel)]
+    run(SeqInfo.dense(1, 1, 512), seed=3)
+    assert tables == [id(sel)] * 2
+    # routed: every head reads the second selection, which a stale one-selection plan would not see
+    other = RowSelection(~selected[:1], 32, row_block=1, window=48)
+    seq = SeqInfo.dense(1, 1, 512)
+    q, k, v = _decode_inputs(seq, 4, 2, 16, torch.float32, 4)
+    out, lse = dec.decode_attention(q, k, v, sel, seq, scale=0.25, second=other,
+                                    second_heads=torch.ones(1, 4, dtype=torch.bool))
+    _check(out, lse, *_brute(q, k, v, ~selected[:1], 32, seq, 0.25, window=48), 1e-5)
+    assert tables == [id(sel)] * 2 + [id(sel), id(other)]
+    two = RowSelection(selected, 32, row_block=1, window=48)  # one table per sample
+    run(_seq([200, 100], [201, 101], 1, 256), seed=5, selection=two)
+    q, k, v = _decode_inputs(SeqInfo.dense(1, 1, 256), 4, 2, 16, torch.float32, 6)
+    with pytest.raises(ValueError, match="selection table must be"):
+        dec.decode_attention(q, k, v, two, SeqInfo.dense(1, 1, 256), scale=0.25)
+    run(SeqInfo.dense(1, 1, 256), seed=7, splits=2)
+    with pytest.raises(ValueError, match="splits must be in"):
+        dec.decode_attention(q, k, v, sel, SeqInfo.dense(1, 1, 256), scale=0.25, splits=99)

@@ -32,6 +32,8 @@ than float16 / bfloat16 / float32, a head dim above 256, a group size not a mult
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 import triton
@@ -267,6 +269,65 @@ def _heads(
     return flags, (flags.stride(0) if mask.shape[0] == batch else 0), flags.stride(1)
 
 
+class _Plan(NamedTuple):
+    """What a decode call's launches take beyond q, k, v and the head masks: the selection tables as
+    :func:`_table` gives them, the tile sizes and the key splits."""
+
+    table_a: tuple[torch.Tensor, int, int, int, int]
+    table_b: tuple[torch.Tensor, int, int, int, int]
+    block_n: int
+    d_pad: int
+    block_h: int
+    splits: int
+    per_split: int
+
+
+#: plans by (selections' ids, call geometry), with the selections they were made for (identity
+#: checked: a cached plan holds them, so their ids cannot be reused while it is kept)
+_PLANS: OrderedDict[tuple[object, ...], tuple[tuple[RowSelection, ...], _Plan]] = OrderedDict()
+#: plans kept: a decode step's layers share one or two selections, so a few steps' worth
+PLAN_CACHE_SIZE = 16
+
+
+def _plan(
+    selections: tuple[RowSelection, ...], q: torch.Tensor, hkv: int, kv_capacity: int, splits: int | None
+) -> _Plan:
+    """:class:`_Plan` of a call, made once per tuple of selection objects and call geometry (batch,
+    query and KV heads, head dim, dtype, device, its shared memory, ``kv_capacity`` and the
+    ``splits`` asked). A decode step's layers share their selections, and the plan reads only the
+    tables' shapes, strides and dtype, which a selection (frozen) never changes: making it at every
+    layer cost about 7 us of host time of a call's 29 (tools/decode_host_timing.py --no-launch on
+    the CPU)."""
+    batch, hq, _, dim = q.shape
+    limit = shared_memory_limit(q.device)
+    key = (*map(id, selections), batch, hq, hkv, dim, q.dtype, q.device, kv_capacity, splits, limit)
+    hit = _PLANS.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], selections, strict=True)):
+        return hit[1]
+    table_a = _table(selections[0], batch, hq, "decode_attention")
+    table_b = _table(selections[1], batch, hq, "decode_attention") if len(selections) > 1 else table_a
+    block_n = _chunk(selections)
+    d_pad, block_h = max(16, next_pow2(dim)), max(16, next_pow2(hq // hkv))
+    # narrower chunks where the GPU's shared memory is short (float32 at head dim 256: 64-key chunks
+    # ask 151,616 bytes, above an RTX 4090's 101,376); half a power of two dividing the groups divides them
+    while limit is not None and block_n > 16 and split_kernel_bytes(block_n, block_h, d_pad, q.element_size()) > limit:
+        block_n //= 2
+    chunks = cdiv(kv_capacity, block_n)
+    if splits is None:
+        splits = num_splits(q.device, batch * hkv, chunks)
+    elif not 1 <= splits <= chunks:
+        raise ValueError(f"decode_attention: splits must be in [1, {chunks}] (the key chunks), got {splits}")
+    per_split = cdiv(chunks, splits)
+    if per_split > MAX_CHUNKS_PER_SPLIT:
+        raise ValueError(f"decode_attention: {splits} splits leave {per_split} chunks per split, above "
+                         f"{MAX_CHUNKS_PER_SPLIT}")
+    plan = _Plan(table_a, table_b, block_n, d_pad, block_h, cdiv(chunks, per_split), per_split)
+    _PLANS[key] = (selections, plan)
+    while len(_PLANS) > PLAN_CACHE_SIZE:
+        _PLANS.popitem(last=False)
+    return plan
+
+
 def decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -313,29 +374,13 @@ def decode_attention(
     lse = torch.empty(batch, hq, 1, dtype=torch.float32, device=q.device)
     if batch * hq == 0:
         return out, lse
-    sel_a, sa_b, sa_h, sa_g, groups_a = _table(selection, batch, hq, "decode_attention")
+    plan = _plan(selections, q, hkv, seq.kv_capacity, splits)
+    sel_a, sa_b, sa_h, sa_g, groups_a = plan.table_a
+    sel_b, sb_b, sb_h, sb_g, groups_b = plan.table_b
     b_sel = second if second is not None else selection
-    sel_b, sb_b, sb_h, sb_g, groups_b = (_table(second, batch, hq, "decode_attention") if second is not None
-                                         else (sel_a, sa_b, sa_h, sa_g, groups_a))
     use_b, u_b, u_h = _heads(second_heads, batch, hq, "second_heads", q.device, False)
     keep, e_b, e_h = _heads(keep_heads, batch, hq, "keep_heads", q.device, True)
-    block_n = _chunk(selections)
-    d_pad, block_h = max(16, next_pow2(dim)), max(16, next_pow2(hq // hkv))
-    limit = shared_memory_limit(q.device)
-    # narrower chunks where the GPU's shared memory is short (float32 at head dim 256: 64-key chunks
-    # ask 151,616 bytes, above an RTX 4090's 101,376); half a power of two dividing the groups divides them
-    while limit is not None and block_n > 16 and split_kernel_bytes(block_n, block_h, d_pad, q.element_size()) > limit:
-        block_n //= 2
-    chunks = cdiv(seq.kv_capacity, block_n)
-    if splits is None:
-        splits = num_splits(q.device, batch * hkv, chunks)
-    elif not 1 <= splits <= chunks:
-        raise ValueError(f"decode_attention: splits must be in [1, {chunks}] (the key chunks), got {splits}")
-    per_split = cdiv(chunks, splits)
-    if per_split > MAX_CHUNKS_PER_SPLIT:
-        raise ValueError(f"decode_attention: {splits} splits leave {per_split} chunks per split, above "
-                         f"{MAX_CHUNKS_PER_SPLIT}")
-    splits = cdiv(chunks, per_split)
+    block_n, d_pad, block_h, splits, per_split = plan.block_n, plan.d_pad, plan.block_h, plan.splits, plan.per_split
     group = hq // hkv
     partials = batch * hq * splits  # the partial results, in one allocation (each costs host time)
     work = torch.empty(partials * (dim + 2), dtype=torch.float32, device=q.device)
