@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from bench_helpers import record_complete_flags
 
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.bench import density
@@ -28,11 +29,14 @@ def test_random_layout_keeps_the_asked_share_of_each_rows_causal_blocks(share):
         density.random_block_layout(seq, 1, 64, 0.0)
 
 
-def test_density_bench_runs_on_cpu_and_reads_its_criteria(tmp_path):
+def test_density_bench_runs_on_cpu_and_reads_its_criteria(tmp_path, monkeypatch):
     out = tmp_path / "d.json"
+    flags = record_complete_flags(monkeypatch, density)
     args = ["--device", "cpu", "--seq", "256", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "16",
             "--dtype", "fp32", "--block-size", "32", "--densities", "1", "0.5", "--tiles", "32,32,4,1", "--triton", "32,32,4,1", "--out", str(out)]
     assert density.main(args) == 0
+    # written after every row, and marked complete only by the last write
+    assert len(flags) > 2 and flags == [False] * (len(flags) - 1) + [True]
     data = json.loads(out.read_text())
     rows = {r["name"]: r for r in data["results"]}
     configs = ("flex", "flex[32,32,4,1]", "triton[32,32,4,1]")

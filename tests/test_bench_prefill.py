@@ -5,17 +5,21 @@ from __future__ import annotations
 import json
 
 import pytest
+from bench_helpers import record_complete_flags
 
 from elasticfw.bench import prefill
 from elasticfw.cli import main as cli_main
 
 
-def test_prefill_bench_runs_dense_and_elastic_variants_on_cpu(tmp_path):
+def test_prefill_bench_runs_dense_and_elastic_variants_on_cpu(tmp_path, monkeypatch):
     out = tmp_path / "prefill.json"
+    flags = record_complete_flags(monkeypatch, prefill)
     args = ["bench", "prefill", "--device", "cpu", "--dtype", "fp32", "--model", "tiny-llama", "--seq", "96",
             "--layers", "1", "--executors", "split", "sdpa", "--msr", "0.5", "--sink", "16", "--local", "32",
             "--block-size", "16", "--reps", "1", "--out", str(out)]
     assert cli_main(args) == 0
+    # written after every row, and marked complete only by the last write
+    assert len(flags) > 2 and flags == [False] * (len(flags) - 1) + [True]
     data = json.loads(out.read_text())
     for key in ("date", "git_commit", "torch", "transformers", "gpu"):
         assert key in data["environment"]

@@ -7,6 +7,7 @@ import json
 import pydantic
 import pytest
 import torch
+from bench_helpers import record_complete_flags
 
 from elasticfw.attention.layout import causal_layout
 from elasticfw.bench import attention as bench
@@ -18,8 +19,9 @@ TINY = ["--device", "cpu", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "1
 FAST = ["--cpu-warmup", "0", "--cpu-iters", "1"]
 
 
-def test_bench_runs_every_registered_mode_on_cpu(tmp_path):
+def test_bench_runs_every_registered_mode_on_cpu(tmp_path, monkeypatch):
     out = tmp_path / "bench.json"
+    flags = record_complete_flags(monkeypatch, bench)
     # streaming sparse at 128 tokens (its defaults cover every key there: a dense layout, no hybrid row)
     sparse_stream = ["--set", "streaming.sink_tokens=16", "--set", "streaming.local_tokens=32",
                      "--set", "streaming.block_size=16"]
@@ -28,6 +30,8 @@ def test_bench_runs_every_registered_mode_on_cpu(tmp_path):
     rc = bench.main(args)
     data = json.loads(out.read_text())
     assert rc == 0, data["failures"]
+    # written after every row, and marked complete only by the last write
+    assert len(flags) > 2 and flags == [False] * (len(flags) - 1) + [True]
     env = data["environment"]
     for key in ("date", "git_commit", "torch", "triton", "transformers", "gpu"):
         assert key in env

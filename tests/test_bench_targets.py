@@ -388,3 +388,26 @@ def test_an_earlier_runs_jsons_are_read_where_they_lie(tmp_path, capsys):
     assert got[FA_SSA_FULL_NAME]["source"] == str(old / "attention_128k.json")
     assert main(["bench", "targets", str(run), "--also", str(old / "missing.json")]) == 2
     assert "missing.json" in capsys.readouterr().err and not (run / "targets.json").exists()
+
+
+def test_an_unfinished_run_gives_no_figure_and_does_not_replace_a_finished_one():
+    """A benchmark killed midway (``complete`` false: here a density run cut before the Triton
+    kernel's rows, whose criteria were read from FlexAttention's) gives no value, with a note,
+    even when it is the later run; a finished earlier run keeps its figures; files without the key
+    predate it and are read."""
+    half, full = FIGURES[-2][0], FIGURES[-1][0]
+    dated = lambda data, day, **kw: {**data, **kw, "environment": {**SETUP["environment"],  # noqa: E731
+                                                                 "date": f"2026-12-0{day}T10:00:00+00:00"}}
+    killed = dated(DENSITY, 7, complete=False, criteria=[
+        {"seq": L, "figure": "density 0.5 / own density 1", "value": 0.52},
+        {"seq": L, "figure": "density 1 / dense cuDNN", "value": 1.37},
+    ])
+    got = _by_figure(build_targets({"s23_density.json": killed}))
+    for figure in (half, full):
+        assert got[figure]["value"] is None and got[figure]["met"] is False
+        assert "did not finish" in got[figure]["note"] and got[figure]["source"] == "s23_density.json"
+    got = _by_figure(build_targets({"s19_density.json": dated(DENSITY, 5, complete=True), "s23_density.json": killed}))
+    assert (got[half]["value"], got[half]["source"], got[half]["met"]) == (0.55, "s19_density.json", True)
+    assert (got[full]["value"], got[full]["source"], got[full]["met"]) == (1.38, "s19_density.json", False)
+    assert "note" not in got[half] and "superseded" not in got[half]
+    assert _by_figure(build_targets({"d.json": DENSITY}))[half]["value"] == 0.55  # no key: an older file

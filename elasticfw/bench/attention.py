@@ -458,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
         },
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "baseline": args.baseline_name,
+        # false in every write until the last: a run killed midway leaves a file that says so
+        "complete": False,
         "inputs": describe(InputStructure() if args.inputs == "structured" else None),
         "modes": {m.name: (m.config.model_dump() if hasattr(m, "config") else None) for m in bench_modes(args)},
     }
@@ -481,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.layout_memory:
         report["layout_memory_tokens"] = args.layout_memory
         layout_memory(args.layout_memory, args, rec, device)
+    report["complete"] = True
     _write(args.out, report, rec)
     print(f"[bench] wrote {args.out}; {len(rec.failures)} failure(s)", flush=True)
     for line in rec.failures:

@@ -254,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "shape": {"batch": 1, "q_heads": args.q_heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
                   "dtype": args.dtype, "causal": True, "inputs": "gaussian"},
+        # false in every write until the last: a run killed midway leaves a file that says so
+        "complete": False,
     }
 
     def write(rec: Recorder) -> None:
@@ -266,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_seq(S, args, rec, device)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    report["complete"] = True
     write(rec)
     png = plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
     for c in criteria(rec.rows):

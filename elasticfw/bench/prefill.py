@@ -423,6 +423,8 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
         "models": {},
         "results": [],
         "failures": [],
+        # false in every write until the last: a run killed midway leaves a file that says so
+        "complete": False,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -433,6 +435,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
         bench_model(shape, args, device, report, write)
     png = plot(report, args.plot or args.out.with_suffix(".png"))
     report["plot"] = str(png) if png else None
+    report["complete"] = True
     write()
     print(f"[prefill] wrote {args.out}" + (f" and {png}" if png else "") + f"; {len(report['failures'])} failure(s)")
     for line in report["failures"]:

@@ -288,17 +288,30 @@ SOURCES: dict[str, tuple[str, str]] = {
 }
 
 
+def unfinished(data: dict[str, Any]) -> str | None:
+    """Why a benchmark JSON's figures are not read because its run did not finish (``complete``
+    false: the attention, density and prefill benchmarks write their file after every row and set
+    it true only in the last write; a run killed midway, e.g. by a time limit, leaves some of its
+    rows, and a criterion read from them would be another's, as a density figure of FlexAttention
+    where the Triton kernel's rows are missing), else ``None``. Files without the key predate it."""
+    if data.get("complete") is False:
+        return "the run did not finish (complete: false): a killed run's rows are not read"
+    return None
+
+
 def build_targets(jsons: dict[str, Any]) -> list[dict[str, Any]]:
     """One ``{"figure", "value", "target", "met", "source", "gpu", "git_commit"}`` (and ``note`` where
     a figure is not met for a reason other than its value) per figure of issue 10's table, from
     ``jsons`` (source name -> loaded JSON). When two JSONs of one kind and of the table's setup hold
     a value, the later run wins (``environment.date``; undated JSONs count as earliest, by name), and
-    the entry names the others in ``superseded``. An attention figure carries ``baseline_spread``
-    (the relative gap between the baseline's first and last time) where the run timed both."""
+    the entry names the others in ``superseded``. A run that did not finish (:func:`unfinished`)
+    gives no value, only a note where no other run fills the figure. An attention figure carries
+    ``baseline_spread`` (the relative gap between the baseline's first and last time) where the run
+    timed both."""
     values: dict[tuple[str, str], tuple[float | None, str]] = {}
     superseded: dict[tuple[str, str], list[str]] = {}
     read: dict[str, dict[str, float | None]] = {}
-    mismatches: dict[str, str] = {}  # source -> why its setup is not the table's: no figure from it
+    mismatches: dict[str, str] = {}  # source -> why its setup is not the table's, or its run unfinished: no figure from it
     failures: dict[str, str] = {}  # source -> its failed correctness checks: its figures are not met
 
     def when(name: str) -> tuple[bool, float, str]:
@@ -310,7 +323,7 @@ def build_targets(jsons: dict[str, Any]) -> list[dict[str, Any]]:
         if kind is None:
             continue
         read[name] = READERS[kind](jsons[name])
-        mismatch = setup_mismatch(kind, jsons[name])
+        mismatch = unfinished(jsons[name]) or setup_mismatch(kind, jsons[name])
         failed = _failed_checks(jsons[name]) if kind == "elasticfw.bench.attention" else []
         if mismatch is not None:
             mismatches[name] = mismatch
