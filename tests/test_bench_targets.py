@@ -396,8 +396,10 @@ def test_an_unfinished_run_gives_no_figure_and_does_not_replace_a_finished_one()
     even when it is the later run; a finished earlier run keeps its figures; files without the key
     predate it and are read."""
     half, full = FIGURES[-2][0], FIGURES[-1][0]
-    dated = lambda data, day, **kw: {**data, **kw, "environment": {**SETUP["environment"],  # noqa: E731
-                                                                 "date": f"2026-12-0{day}T10:00:00+00:00"}}
+
+    def dated(data, day, **kw):
+        return {**data, **kw, "environment": {**SETUP["environment"], "date": f"2026-12-0{day}T10:00:00+00:00"}}
+
     killed = dated(DENSITY, 7, complete=False, criteria=[
         {"seq": L, "figure": "density 0.5 / own density 1", "value": 0.52},
         {"seq": L, "figure": "density 1 / dense cuDNN", "value": 1.37},

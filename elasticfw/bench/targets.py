@@ -311,7 +311,8 @@ def build_targets(jsons: dict[str, Any]) -> list[dict[str, Any]]:
     values: dict[tuple[str, str], tuple[float | None, str]] = {}
     superseded: dict[tuple[str, str], list[str]] = {}
     read: dict[str, dict[str, float | None]] = {}
-    mismatches: dict[str, str] = {}  # source -> why its setup is not the table's, or its run unfinished: no figure from it
+    # source -> why its setup is not the table's, or that its run did not finish: no figure from it
+    mismatches: dict[str, str] = {}
     failures: dict[str, str] = {}  # source -> its failed correctness checks: its figures are not met
 
     def when(name: str) -> tuple[bool, float, str]:
