@@ -237,14 +237,7 @@ def test_a_router_run_of_decide_alone_gives_no_router_figure():
 def test_the_tools_targets_step_prints_a_run_without_attention_rows(tmp_path, capsys):
     """``tools/bench_targets.py gpu --steps prefill`` ends with ``targets`` over a folder without the
     attention JSON: a mode's layer then has no target (it raised formatting None)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "tools" / "bench_targets.py"
-    spec = importlib.util.spec_from_file_location("bench_targets_tool", path)
-    assert spec is not None and spec.loader is not None
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = _bench_targets_tool()
     (tmp_path / "prefill.json").write_text(json.dumps(PREFILL))
     assert tool.main(["targets", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -413,3 +406,42 @@ def test_an_unfinished_run_gives_no_figure_and_does_not_replace_a_finished_one()
     assert (got[full]["value"], got[full]["source"], got[full]["met"]) == (1.38, "s19_density.json", False)
     assert "note" not in got[half] and "superseded" not in got[half]
     assert _by_figure(build_targets({"d.json": DENSITY}))[half]["value"] == 0.55  # no key: an older file
+
+
+def _bench_targets_tool():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "bench_targets.py"
+    spec = importlib.util.spec_from_file_location("bench_targets_tool", path)
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def test_a_gpu_call_writes_targets_only_after_a_step_that_gives_figures(tmp_path, monkeypatch, capsys):
+    """``gpu --steps gpu-tests`` alone (the GPU tests in their own call) wrote a ``targets.json`` of
+    fifteen missing figures beside the tests' XML; a figure step (here ``router``) still ends with
+    ``targets`` over the folder. The steps' commands are recorded, not run."""
+    tool = _bench_targets_tool()
+    ran: list[list[str]] = []
+
+    def fake_run(cmd: list[str], log: list[dict]) -> int:
+        ran.append(cmd)
+        log.append({"command": cmd, "returncode": 0, "seconds": 0.0})
+        return 0
+
+    monkeypatch.setattr(tool, "_run", fake_run)
+    tests_only = tmp_path / "tests_only"
+    assert tool.main(["gpu", "--steps", "gpu-tests", "--out", str(tests_only)]) == 0
+    assert "pytest" in ran[0] and not (tests_only / "targets.json").exists()
+    assert "targets.json not written" in capsys.readouterr().out
+
+    with_router = tmp_path / "with_router"
+    with_router.mkdir()
+    (with_router / "router.json").write_text(json.dumps(ROUTER))
+    assert tool.main(["gpu", "--steps", "gpu-tests", "router", "--out", str(with_router)]) == 0
+    written = json.loads((with_router / "targets.json").read_text())
+    router = next(t for t in written if t["figure"] == "router, all layers, per layer")
+    assert router["value"] == 0.12 and router["met"] is False

@@ -61,7 +61,9 @@ Before them ``--steps gpu-tests`` runs the GPU tests of the kernels (``pytest -m
    kernel's own GPU time (a CUDA graph replay), which says whether the router figure is bound by
    the host or by the kernel.
 
-then ``targets``. ``demo-cpu`` times the old CPU demo (``results/demo-cpu.json``: ``elasticfw
+then ``targets`` when one of the steps that give its figures ran (``attention``, ``router``,
+``prefill``, ``density``; a call of ``--steps gpu-tests`` alone writes no ``targets.json`` of
+missing figures). ``demo-cpu`` times the old CPU demo (``results/demo-cpu.json``: ``elasticfw
 compare`` on the embedded SmolLM2-135M, passkey at 1,440 tokens, 20 samples, batch 4, 8 new tokens;
 full attention vs every head streaming with sink 64 / local 256), ``--executor`` (default
 ``split``, the old file used ``sdpa``), into ``demo_cpu.json``: after one untimed sample through
@@ -99,6 +101,10 @@ DEMO = {
              "max_new_tokens": 8},
 }
 VARIANTS = {"full": {"name": "fixed", "assign": "all_retrieval"}, "all-streaming": {"name": "fixed", "assign": "all_sparse"}}
+
+
+#: the ``gpu`` steps whose JSON ``targets`` reads a figure from
+FIGURE_STEPS = frozenset({"attention", "router", "prefill", "density"})
 
 
 def _positive(text: str) -> int:
@@ -173,7 +179,10 @@ def gpu(args: argparse.Namespace) -> int:
     log_path = out / "commands.log.json"
     previous = json.loads(log_path.read_text()) if log_path.exists() else []
     log_path.write_text(json.dumps(previous + log, indent=2) + "\n")
-    targets(args)
+    if FIGURE_STEPS.intersection(args.steps):
+        targets(args)
+    else:
+        print(f"[bench-targets] no step of {sorted(FIGURE_STEPS)} ran: targets.json not written")
     return 0 if not any(codes) else 1
 
 
