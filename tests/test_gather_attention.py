@@ -88,19 +88,17 @@ def test_gather_plan_by_hand():
     assert plan.pass_bounds == [0, 2, 4]
 
 
-def _plan_by_definition(selected, batch, block_m, heads_per_kv=1):
-    """The plan of the module docstring by enumeration: entries sorted by (rank, sample, head //
-    heads_per_kv, group, head % heads_per_kv, row), each (rank, sample, head, group) cut into tiles
-    of at most ``block_m`` rows."""
+def _plan_by_definition(selected, batch, block_m):
+    """The plan of the module docstring by enumeration: entries sorted by (rank, sample, head, group,
+    row), each (rank, sample, head, group) cut into tiles of at most ``block_m`` rows."""
     table = selected.expand(batch, *selected.shape[1:])
     entries = []
     for b, h, r in torch.cartesian_prod(*(torch.arange(n) for n in table.shape[:3])).tolist():
         for rank, g in enumerate(table[b, h, r].nonzero().flatten().tolist()):
-            entries.append((rank, b, h // heads_per_kv, g, h % heads_per_kv, r))
+            entries.append((rank, b, h, g, r))
     entries.sort()
     rows, tiles = [], []  # tiles: (start, count, b, h, g, rank)
-    for e, (rank, b, kv, g, inner, r) in enumerate(entries):
-        h = kv * heads_per_kv + inner
+    for e, (rank, b, h, g, r) in enumerate(entries):
         if not tiles or tuple(tiles[-1][2:]) != (b, h, g, rank) or tiles[-1][1] == block_m:
             tiles.append([e, 0, b, h, g, rank])
         tiles[-1][1] += 1
@@ -109,71 +107,18 @@ def _plan_by_definition(selected, batch, block_m, heads_per_kv=1):
     return rows, tiles, bounds
 
 
-@pytest.mark.parametrize("shape, batch, block_m, density, heads_per_kv", [
-    ((1, 3, 40, 7), 2, 4, 0.5, 1), ((2, 2, 33, 5), 2, 8, 0.8, 1), ((1, 1, 64, 9), 1, 16, 0.3, 1),
-    ((1, 6, 40, 7), 2, 4, 0.5, 3), ((2, 4, 33, 5), 2, 8, 0.8, 2), ((1, 4, 30, 6), 1, 16, 0.6, 4)])
-def test_gather_plan_matches_its_definition(shape, batch, block_m, density, heads_per_kv):
+@pytest.mark.parametrize("shape, batch, block_m, density", [((1, 3, 40, 7), 2, 4, 0.5), ((2, 2, 33, 5), 2, 8, 0.8),
+                                                             ((1, 1, 64, 9), 1, 16, 0.3)])
+def test_gather_plan_matches_its_definition(shape, batch, block_m, density):
     from elasticfw.kernels.gather_attention import gather_plan
 
     selected = torch.rand(*shape, generator=torch.Generator().manual_seed(sum(shape))) < density
-    plan = gather_plan(RowSelection(selected, 16), batch, block_m, heads_per_kv)
-    rows, tiles, bounds = _plan_by_definition(selected, batch, block_m, heads_per_kv)
+    plan = gather_plan(RowSelection(selected, 16), batch, block_m)
+    rows, tiles, bounds = _plan_by_definition(selected, batch, block_m)
     assert plan.rows.tolist() == rows
     assert plan.tile_start.tolist() == [t[0] for t in tiles] and plan.tile_count.tolist() == [t[1] for t in tiles]
     assert plan.tile_b.tolist() == [t[2] for t in tiles] and plan.tile_h.tolist() == [t[3] for t in tiles]
     assert plan.tile_g.tolist() == [t[4] for t in tiles] and plan.pass_bounds == bounds
-
-
-def test_entry_plan_orders_a_kv_heads_table_heads_side_by_side():
-    """The entries' plan: tiles of one (sample, head, group) sorted by (sample, head // n, group, head
-    % n, row); each entry's slot its place in row-major order (the merge reads a row's slots)."""
-    from elasticfw.kernels.gather_attention import gather_entry_plan
-
-    selected = torch.rand(2, 4, 21, 5, generator=torch.Generator().manual_seed(5)) < 0.5
-    plan = gather_entry_plan(RowSelection(selected, 16), 2, 4, heads_per_kv=2)
-    # by enumeration: (b, kv, g, inner, row) of every entry, with its row-major place
-    flat = {tuple(e): i for i, e in enumerate(selected.nonzero().tolist())}  # (b, h, row, g) -> slot
-    entries = sorted((b, h // 2, g, h % 2, r) for b, h, r, g in flat)
-    assert plan.rows.tolist() == [e[4] for e in entries]
-    assert plan.slots.tolist() == [flat[(b, kv * 2 + inner, r, g)] for b, kv, g, inner, r in entries]
-    firsts = [entries[i] for i in plan.tile_start.tolist()]
-    assert plan.tile_h.tolist() == [kv * 2 + inner for _, kv, _, inner, _ in firsts]
-    assert plan.tile_g.tolist() == [e[2] for e in firsts] and plan.tile_b.tolist() == [e[0] for e in firsts]
-
-
-def test_heads_per_kv_must_divide_the_table_heads():
-    from elasticfw.kernels.gather_attention import gather_entry_plan, gather_plan
-
-    selection = RowSelection(torch.ones(1, 6, 8, 2, dtype=torch.bool), 16)
-    for plan in (gather_plan, gather_entry_plan):
-        with pytest.raises(ValueError, match="positive divisor of the selection's 6 table heads, got 4"):
-            plan(selection, 1, 4, heads_per_kv=4)
-        with pytest.raises(ValueError, match="got 0"):
-            plan(selection, 1, 4, heads_per_kv=0)
-
-
-@pytest.mark.parametrize("group_heads", [True, False])
-@pytest.mark.parametrize("merge", ["passes", "entries"])
-def test_both_program_orders_match_the_definition(merge, group_heads, monkeypatch):
-    """GQA with a table per query head (4 query heads, 2 KV heads): the tiles of one KV head's query
-    heads side by side (``GROUP_HEADS``, the default) or head by head, both against the definition."""
-    from elasticfw.kernels import gather_attention as ga
-    from elasticfw.kernels.block_sparse_attention import Tiles
-
-    monkeypatch.setattr(ga, "GROUP_HEADS", group_heads)
-    seq = _seq([0, 12], [150, 110], 120, 150)
-    g = torch.Generator().manual_seed(29)
-    q, k, v = _qkv(seq, 4, 2, 16, g)
-    selected = torch.rand(2, 4, 120, 5, generator=g) < 0.5
-    out, lse = ga.gathered_selection_attention(q, k, v, RowSelection(selected, 32), seq, scale=0.25,
-                                               tiles=Tiles(block_m=16, block_n=16, num_warps=4, num_stages=2),
-                                               merge=merge)
-    ref_out, ref_lse = _brute(q, k, v, selected, 32, seq, 0.25)
-    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
-    finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), finite)
-    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-5, atol=1e-4)
-    assert ga._heads_per_kv(4, 2) == (2 if group_heads else 1)
 
 
 @pytest.mark.parametrize("merge", ["passes", "entries"])

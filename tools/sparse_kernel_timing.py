@@ -16,9 +16,6 @@ CUDA-event-timed calls against one dense causal cuDNN SDPA layer:
   the keys each row sees, in chunks (``chunk_ratio``: how much the tile union costs);
 * with ``--tiles BM,BN,WARPS,STAGES ...`` the kernel under those launch configurations, and with
   ``--gather-tiles ...`` the gathered call under those;
-* with ``--gather-order-ab`` the gathered call with the gather plan's program order head by head
-  (``gather_attention.GROUP_HEADS`` off), then once more with the default (a KV head's query heads
-  side by side), so that the two orders are timed in one process;
 * with ``--triton-work-lists`` the ``plan``, ``kernel`` and ``call`` rows use torch's work lists
   (:func:`~elasticfw.kernels.work_lists.work_lists`), and ``plan, triton lists`` and
   ``call, triton lists`` rows time those built by the Triton kernel of
@@ -113,8 +110,6 @@ def main() -> None:
     p.add_argument("--tiles", nargs="*", default=[], metavar="BM,BN,WARPS,STAGES")
     p.add_argument("--gather-tiles", nargs="*", default=[], metavar="BM,BN,WARPS,STAGES")
     p.add_argument("--options", nargs="*", default=[], metavar="TMA,REVERSE[,GROUP]")
-    p.add_argument("--gather-order-ab", action="store_true",
-                   help="also the gathered call with gather_attention.GROUP_HEADS off, then on again")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--triton-work-lists", action="store_true",
                    help="also the plan and the call with the work lists built by elasticfw.kernels.work_lists")
@@ -214,13 +209,6 @@ def main() -> None:
                     lambda s=selection: ga.gathered_selection_attention(q, k, v, s, seq, scale=scale), args.repeats)
                 calls.append((f"{name} gather",
                               lambda s=selection: ga.gathered_selection_attention(q, k, v, s, seq, scale=scale)))
-                if args.gather_order_ab:  # the switch off, then the default again (the GPU's drift)
-                    for label, grouped in (("gather call, head by head", False), ("gather call, again", True)):
-                        ga.GROUP_HEADS = grouped
-                        results[f"{name}: {label}"] = timed(
-                            lambda s=selection: ga.gathered_selection_attention(q, k, v, s, seq, scale=scale),
-                            args.repeats)
-                    ga.GROUP_HEADS = True
                 for spec in args.gather_tiles:
                     results[f"{name}: gather call, tiles {spec}"] = timed(
                         lambda s=selection, t=_tiles(spec): ga.gathered_selection_attention(

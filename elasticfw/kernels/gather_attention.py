@@ -9,9 +9,8 @@ the other way round, as upstream MoBA does (``moba_attn_varlen``: per key block,
 chose it):
 
 * **Entries** (torch, :func:`gather_plan`): every selected (row, group) pair, with its *rank* (the
-  group's place among the row's selected groups, ascending), sorted by (rank, sample, KV head,
-  group, table head, row) and cut into tiles of up to ``BLOCK_M`` rows of one (rank, sample, head,
-  group): a KV head's query heads over one key group run side by side (:data:`GROUP_HEADS`).
+  group's place among the row's selected groups, ascending), sorted by (rank, sample, table head,
+  group, row) and cut into tiles of up to ``BLOCK_M`` rows of one (rank, sample, head, group).
   Only one-dimensional scans and one sort of int64 keys that encode the whole entry build them
   (torch's scans along a short last dimension and its ``cummax`` took 24 and 96 ms of a 135 ms
   plan at 128K on an H200, ``results/bench/issue10-s6/variants/``; gathering six columns by the
@@ -33,8 +32,7 @@ chose it):
   row's slots by log-sum-exp in float32 (at most the largest number of groups a row selects).
   At top-k 8 in bfloat16 that writes and reads 2 bytes per entry, head and dimension where the
   passes read and write 4 + 4 per rank (about 18 GB against 35 GB at 128K for 32 heads of 128);
-  about 6% faster on an H100 for four times the extra memory (below), so ``passes`` stays the
-  default (``flex.gather_merge``; ``results/bench/issue10-s17/README.md``).
+  not yet timed on a GPU, so ``passes`` stays the default (``flex.gather_merge``).
 
 The work is exactly the selected pairs (plus the masked part of each row's current group), at
 the cost of gathering the query rows and of one float32 accumulator read and write per selected
@@ -73,10 +71,6 @@ __all__ = ["EntryPlan", "GatherPlan", "gather_entry_plan", "gather_plan", "gathe
 
 #: tiles of the gathered rows: 128 rows, 128-key chunks, as the block-sparse kernel's defaults
 DEFAULT_TILES = Tiles(block_m=128, block_n=128, num_warps=8, num_stages=3)
-#: a pass's tiles of one key group for the table heads of one KV head run as consecutive programs
-#: (they read the same keys and values while these are in L2; :func:`gather_plan`'s
-#: ``heads_per_kv``); else table head by table head, each over every group
-GROUP_HEADS = True
 _LOG2E = 1.4426950408889634
 
 
@@ -102,24 +96,17 @@ class GatherPlan:
     pass_bounds: list[int]  # tiles [pass_bounds[r], pass_bounds[r + 1]) belong to rank r
 
 
-def gather_plan(selection: RowSelection, batch: int, block_m: int, heads_per_kv: int = 1) -> GatherPlan:
+def gather_plan(selection: RowSelection, batch: int, block_m: int) -> GatherPlan:
     """The entries of ``selection`` (its table expanded to ``batch`` samples) in tiles of up to
     ``block_m`` rows (module docstring). Reads the number of entries and of ranks from the device.
 
-    ``heads_per_kv`` (``n``): how many consecutive table heads read one KV head. The entries are
-    sorted by (rank, sample, head // n, group, head % n, row): within a rank's pass the tiles of
-    one key group for the query heads of one KV head are consecutive programs, which read the
-    same keys and values while they are in L2 (:data:`GROUP_HEADS`). With ``n = 1`` that is
-    (rank, sample, head, group, row).
-
-    Every entry is encoded as one int64 sort key (:func:`_segment_key` times ``Sq`` plus its row),
+    Every entry is encoded as one int64 sort key ``(((rank * B + b) * H + h) * G + g) * Sq + row``,
     so that one sort of the keys orders the entries and the sorted keys themselves give each
     entry's row and segment (no gather of per-entry columns by the sort's permutation)."""
     sel = selection.selected
     if sel.shape[0] != batch:
         sel = sel.expand(batch, *sel.shape[1:])
     _, heads, q_len, groups = sel.shape
-    _check_heads_per_kv(heads, heads_per_kv)
     device = sel.device
     flat = sel.reshape(-1).nonzero().squeeze(1)  # ascending: sorted by (b, h, row, g)
     n = flat.numel()
@@ -133,36 +120,16 @@ def gather_plan(selection: RowSelection, batch: int, block_m: int, heads_per_kv:
     # (1-D scans only: torch's scans along a short last dimension, and its cummax, are slow on CUDA)
     rank = index - _first_of_runs(row_id, index)
     bh = row_id // q_len
-    key = _segment_key(rank * (batch * heads) + bh, g, groups, heads_per_kv) * q_len + (row_id - bh * q_len)
+    key = ((rank * (batch * heads) + bh) * groups + g) * q_len + (row_id - bh * q_len)
     key = key.sort().values
-    segment = key // q_len
+    segment = key // q_len  # (rank, b, h, g)
     starts, counts = _segment_tiles(segment, index, block_m)
-    tile_outer, tile_g = _segment_fields(segment[starts], groups, heads_per_kv)
-    tile_rank, tile_bh = tile_outer // (batch * heads), tile_outer % (batch * heads)
+    tile_segment = segment[starts]
+    tile_rank, tile_bh = tile_segment // (batch * heads * groups), tile_segment // groups % (batch * heads)
     ranks = int(tile_rank[-1].item()) + 1
     bounds = torch.searchsorted(tile_rank, torch.arange(ranks + 1, device=device)).tolist()
     return GatherPlan(_int32(key - segment * q_len), _int32(starts), _int32(counts), _int32(tile_bh // heads),
-                      _int32(tile_bh % heads), _int32(tile_g), [int(x) for x in bounds])
-
-
-def _check_heads_per_kv(heads: int, heads_per_kv: int) -> None:
-    if heads_per_kv < 1 or heads % heads_per_kv:
-        raise ValueError(f"heads_per_kv must be a positive divisor of the selection's {heads} table heads, "
-                         f"got {heads_per_kv}")
-
-
-def _segment_key(outer: torch.Tensor, g: torch.Tensor, groups: int, heads_per_kv: int) -> torch.Tensor:
-    """An entry's segment, ordered as (``outer // n``, group, ``outer % n``) for ``n = heads_per_kv``:
-    ``outer`` counts the table heads fastest (``(rank * B + b) * H + h``, or ``b * H + h``), and ``n``
-    divides ``H``, so ``outer // n`` is (rank, sample, KV head) and ``outer % n`` the head's place
-    among that KV head's table heads."""
-    return ((outer // heads_per_kv) * groups + g) * heads_per_kv + outer % heads_per_kv
-
-
-def _segment_fields(segment: torch.Tensor, groups: int, heads_per_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(outer, group)`` of :func:`_segment_key`'s segments."""
-    rest = segment // heads_per_kv
-    return (rest // groups) * heads_per_kv + segment % heads_per_kv, rest % groups
+                      _int32(tile_bh % heads), _int32(tile_segment % groups), [int(x) for x in bounds])
 
 
 @dataclass(frozen=True)
@@ -182,15 +149,13 @@ class EntryPlan:
     max_entries: int  # the most entries of one row
 
 
-def gather_entry_plan(selection: RowSelection, batch: int, block_m: int, heads_per_kv: int = 1) -> EntryPlan:
+def gather_entry_plan(selection: RowSelection, batch: int, block_m: int) -> EntryPlan:
     """:func:`gather_plan` without the ranks, for ``merge="entries"``: the entries sorted by (sample,
-    table head // heads_per_kv, group, table head % heads_per_kv, row) through one sort of int64
-    keys, whose permutation is each entry's slot."""
+    table head, group, row) through one sort of int64 keys, whose permutation is each entry's slot."""
     sel = selection.selected
     if sel.shape[0] != batch:
         sel = sel.expand(batch, *sel.shape[1:])
     _, heads, q_len, groups = sel.shape
-    _check_heads_per_kv(heads, heads_per_kv)
     device = sel.device
     per_row = (sel != 0).sum(-1, dtype=torch.int32).reshape(-1)  # flags may be uint8 of any nonzero value
     row_ptr = torch.zeros(per_row.numel() + 1, dtype=torch.int64, device=device)
@@ -202,13 +167,14 @@ def gather_entry_plan(selection: RowSelection, batch: int, block_m: int, heads_p
         return EntryPlan(empty, empty, empty, empty, empty, empty, empty, _int32(row_ptr), 0)
     row_id = flat // groups  # (b * H + h) * Sq + row
     bh = row_id // q_len
-    key = _segment_key(bh, flat - row_id * groups, groups, heads_per_kv) * q_len + (row_id - bh * q_len)
+    key = (bh * groups + (flat - row_id * groups)) * q_len + (row_id - bh * q_len)
     key, order = key.sort()
-    segment = key // q_len
+    segment = key // q_len  # (b, h, g)
     starts, counts = _segment_tiles(segment, torch.arange(n, device=device), block_m)
-    tile_bh, tile_g = _segment_fields(segment[starts], groups, heads_per_kv)
+    tile_segment = segment[starts]
+    tile_bh = tile_segment // groups
     return EntryPlan(_int32(key - segment * q_len), _int32(order), _int32(starts), _int32(counts),
-                     _int32(tile_bh // heads), _int32(tile_bh % heads), _int32(tile_g),
+                     _int32(tile_bh // heads), _int32(tile_bh % heads), _int32(tile_segment % groups),
                      _int32(row_ptr), int(per_row.max().item()))
 
 
@@ -434,7 +400,7 @@ def gathered_selection_attention(
     heads_per_table = hq // sel.shape[1]
     tiles, block_n = fit_tiles(tiles, min(tiles.block_n, max(16, next_pow2(selection.group_size))),
                                max(16, next_pow2(dim)), q.element_size(), q.device, shrink=True)
-    plan = gather_plan(selection, batch, tiles.block_m, _heads_per_kv(sel.shape[1], k.shape[1]))
+    plan = gather_plan(selection, batch, tiles.block_m)
     tma, k_desc, v_desc, k_rows, v_rows = kv_descriptors(k, v, block_n)
     for r in range(len(plan.pass_bounds) - 1):
         lo, hi = plan.pass_bounds[r], plan.pass_bounds[r + 1]
@@ -450,14 +416,6 @@ def gathered_selection_attention(
             FIRST=r == 0, ENTRIES=False, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
     return acc.to(q.dtype), lse
-
-
-def _heads_per_kv(table_heads: int, kv_heads: int) -> int:
-    """The table heads that read one KV head, which the plans order side by side under
-    :data:`GROUP_HEADS` (1 where the switch is off or a table head spans several KV heads)."""
-    if GROUP_HEADS and table_heads > kv_heads and table_heads % kv_heads == 0:
-        return table_heads // kv_heads
-    return 1
 
 
 #: query rows per program of the entries' merge
@@ -479,7 +437,7 @@ def _entries_attention(
     d_pad = max(16, next_pow2(dim))
     tiles, block_n = fit_tiles(tiles, min(tiles.block_n, max(16, next_pow2(selection.group_size))), d_pad,
                                q.element_size(), q.device, shrink=True)
-    plan = gather_entry_plan(selection, batch, tiles.block_m, _heads_per_kv(selection.selected.shape[1], k.shape[1]))
+    plan = gather_entry_plan(selection, batch, tiles.block_m)
     heads_per_table = hq // selection.selected.shape[1]
     entries = plan.slots.numel()
     part = torch.empty(entries * heads_per_table, dim, dtype=q.dtype, device=q.device)
