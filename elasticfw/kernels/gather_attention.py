@@ -32,7 +32,8 @@ chose it):
   row's slots by log-sum-exp in float32 (at most the largest number of groups a row selects).
   At top-k 8 in bfloat16 that writes and reads 2 bytes per entry, head and dimension where the
   passes read and write 4 + 4 per rank (about 18 GB against 35 GB at 128K for 32 heads of 128);
-  not yet timed on a GPU, so ``passes`` stays the default (``flex.gather_merge``).
+  about 6% faster on an H100 for four times the extra memory (below), so ``passes`` stays the
+  default (``flex.gather_merge``; ``results/bench/issue10-s17/README.md``).
 
 The work is exactly the selected pairs (plus the masked part of each row's current group), at
 the cost of gathering the query rows and of one float32 accumulator read and write per selected
