@@ -234,6 +234,18 @@ def test_a_router_run_of_decide_alone_gives_no_router_figure():
     assert got["value"] == 0.12 and "note" not in got
 
 
+def _bench_targets_tool():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "bench_targets.py"
+    spec = importlib.util.spec_from_file_location("bench_targets_tool", path)
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
 def test_the_tools_targets_step_prints_a_run_without_attention_rows(tmp_path, capsys):
     """``tools/bench_targets.py gpu --steps prefill`` ends with ``targets`` over a folder without the
     attention JSON: a mode's layer then has no target (it raised formatting None)."""
@@ -406,18 +418,6 @@ def test_an_unfinished_run_gives_no_figure_and_does_not_replace_a_finished_one()
     assert (got[full]["value"], got[full]["source"], got[full]["met"]) == (1.38, "s19_density.json", False)
     assert "note" not in got[half] and "superseded" not in got[half]
     assert _by_figure(build_targets({"d.json": DENSITY}))[half]["value"] == 0.55  # no key: an older file
-
-
-def _bench_targets_tool():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "tools" / "bench_targets.py"
-    spec = importlib.util.spec_from_file_location("bench_targets_tool", path)
-    assert spec is not None and spec.loader is not None
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
 
 
 def test_a_gpu_call_writes_targets_only_after_a_step_that_gives_figures(tmp_path, monkeypatch, capsys):
