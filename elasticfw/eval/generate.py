@@ -29,6 +29,8 @@ class SampleResult:
     esr_last_layer: float
     tokens: int
     decisions: list[list[int]] | None = None
+    #: per routed layer, each KV head's noise-free P(sparse) (4 decimals); ``None`` for a plain model
+    prob_sparse: list[list[float]] | None = None
     routed_layers: list[int] | None = None
     prefill_seconds: float = 0.0
     batch_prefill_seconds: float = 0.0
@@ -127,6 +129,7 @@ def generate_batch(
     prefill = timer.seconds
     routing = elastic.routing if model is not elastic else None
     decisions = routing.decisions.int().tolist() if routing is not None else None
+    probs = routing.prob_sparse.float().round(decimals=4).tolist() if routing is not None else None
     batch_tokens = sum(len(s.input_ids) for s in batch)
     results = []
     for i, sample in enumerate(batch):
@@ -140,6 +143,7 @@ def generate_batch(
                 esr_last_layer=float(routing.esr_last_layer[i]) if routing is not None else 0.0,
                 tokens=len(sample.input_ids),
                 decisions=decisions[i] if decisions is not None else None,
+                prob_sparse=probs[i] if probs is not None else None,
                 routed_layers=list(routing.routed_layers) if routing is not None else None,
                 prefill_seconds=prefill * len(sample.input_ids) / batch_tokens,
                 batch_prefill_seconds=prefill,

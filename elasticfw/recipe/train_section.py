@@ -50,6 +50,23 @@ class TrainSettings(BaseModel):
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas (paper: 0.9, 0.95).")
     warmup_ratio: float = Field(0.2, ge=0, le=1, description="Linear warm-up over this fraction of the steps, then cosine decay (paper: 0.2).")
     max_grad_norm: float | None = Field(None, gt=0, description="Clip the router's gradient norm (off in the paper).")
+    lr_scale: dict[str, float] = Field(
+        default_factory=dict,
+        description="Learning-rate multiplier per part of the router, by the names its parameter_groups() gives "
+        "(mlp: task_mlp, router_mlp); unnamed parts keep router_lr (paper: one rate).",
+    )
+    logit_penalty: float = Field(
+        0.0, ge=0, le=1e3,
+        description="Weight of a margin term: the mean over samples, layers and KV heads of the variance of a "
+        "decision's logits across modes ((z_sparse - z_full)^2 / 4 for two). It keeps logits within the Gumbel "
+        "noise's scale, where every decision still passes a gradient (off in the paper: 0).",
+    )
+    diagnostics_every: int = Field(
+        10, ge=0,
+        description="Every N steps, log the router's gradient norm per part split into the LM loss's share and the "
+        "sparsity penalty's (two extra backward passes on those steps); 0: never. Decision margins and P(sparse) "
+        "per task, layer and head are logged at every step.",
+    )
     targets: dict[Literal["sensitive", "robust"], Target] = Field(
         default_factory=lambda: _paper_targets(),
         description="Default sparsity target per task category (paper: 0.7 sensitive, 1.0 robust); a task entry's `target` overrides it.",
@@ -78,6 +95,14 @@ class TrainSettings(BaseModel):
     def _targets(cls, value: dict[str, Target]) -> dict[str, Target]:
         for target in value.values():
             check_target(target)
+        return value
+
+    @field_validator("lr_scale")
+    @classmethod
+    def _lr_scale(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, scale in value.items():
+            if not math.isfinite(scale) or scale <= 0:
+                raise ValueError(f"lr_scale.{name} must be a positive finite multiplier, got {scale!r}")
         return value
 
     @model_validator(mode="after")

@@ -107,6 +107,11 @@ class Router(nn.Module, ABC):
     def decide(self, layer: int, keys: torch.Tensor, seq: SeqInfo) -> RouterDecision:
         """Decision for routed layer ``layer``; ``self.training`` selects stochastic/hard."""
 
+    def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
+        """The trainable parameters by part, for per-part learning rates (``train.lr_scale``) and the
+        trainer's per-part gradient norms. Default: one group, ``router``."""
+        return {"router": [p for p in self.parameters() if p.requires_grad]}
+
     def prepare(self, elastic: Any, tokenizer: Any, *, seed: int = 0) -> None:
         """Called once after the router is attached to a model (default: nothing).
 

@@ -54,7 +54,8 @@ def evaluate_heldout(
                 per_task[task_label] = {
                     **res.summary(),
                     "per_sample": [{"score": r.score, "msr": r.msr, "esr": r.esr, "tokens": r.tokens,
-                                    "completion": r.completion} for r in res.results],
+                                    "completion": r.completion, "decisions": r.decisions,
+                                    "prob_sparse": r.prob_sparse} for r in res.results],
                 }
                 if progress:
                     s = per_task[task_label]
@@ -86,6 +87,7 @@ def summary_dict(recipe: Any, mixture: list[MixtureTask], evals: dict[str, Any],
                 "metric": t.task.metric,
                 "target": list(target_bounds(t.target)),
                 "msr": r["msr"],
+                **msr_spread([row["msr"] for row in r["per_sample"]]),
                 "esr": r["esr"],
                 "accuracy": r["accuracy"],
                 "full_accuracy": f.get("accuracy"),
@@ -102,6 +104,18 @@ def summary_dict(recipe: Any, mixture: list[MixtureTask], evals: dict[str, Any],
         "details": evals,
         "recipe": recipe.model_dump(mode="json"),
         "environment": environment(device if isinstance(device, torch.device) else torch.device("cpu")),
+    }
+
+
+def msr_spread(values: list[float]) -> dict[str, float]:
+    """The per-sample MSR's spread: standard deviation (population), minimum and maximum."""
+    if not values:
+        return {}
+    mean = sum(values) / len(values)
+    return {
+        "msr_std": (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5,
+        "msr_min": min(values),
+        "msr_max": max(values),
     }
 
 

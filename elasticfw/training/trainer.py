@@ -23,6 +23,7 @@ import torch
 from elasticfw.errors import CheckpointError, TrainingError, UnsupportedInputError
 from elasticfw.routing.gumbel import sample_noise
 from elasticfw.training.data import MixtureTask, collate, shard, step_slots
+from elasticfw.training.diagnostics import GradientSplit, StepRouting, decision_probabilities, logit_spread
 from elasticfw.training.distributed import DistContext
 from elasticfw.training.logs import MetricsLog, plot_msr, read_metrics
 from elasticfw.training.objective import Lagrangian, answer_cross_entropy, target_bounds
@@ -122,7 +123,12 @@ def train_router(
             f"train.micro_batch_size ({settings.micro_batch_size})"
         )
     lagrangian = Lagrangian([t.target for t in mixture], settings.lambda_init).to(device)
-    optimizer = torch.optim.AdamW(params, lr=settings.router_lr, betas=settings.betas, weight_decay=settings.weight_decay)
+    groups = router_groups(elastic.router, params, settings.lr_scale)
+    optimizer = torch.optim.AdamW(
+        [{"params": ps, "lr": settings.router_lr * settings.lr_scale.get(name, 1.0), "name": name}
+         for name, ps in groups.items()],
+        lr=settings.router_lr, betas=settings.betas, weight_decay=settings.weight_decay,
+    )
     lambda_opt = torch.optim.Adam(lagrangian.parameters(), lr=settings.lambda_lr, maximize=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: cosine_with_warmup(s, settings.steps, settings.warmup_ratio)
@@ -161,7 +167,10 @@ def train_router(
                 optimizer.zero_grad(set_to_none=True)
                 lambda_opt.zero_grad(set_to_none=True)
                 # per task: msr sum, gap sum, count; then ce sum, penalty sum, tokens
-                stats = torch.zeros(len(mixture) * 3 + 3, dtype=torch.float64, device=device)
+                stats = torch.zeros(len(mixture) * 3 + 4, dtype=torch.float64, device=device)
+                routing = StepRouting(len(mixture), heads.num_routed, heads.num_kv_heads, device)
+                every = settings.diagnostics_every
+                split = GradientSplit(groups) if every and (step + 1) % every == 0 else None
                 chunks = [mine[i : i + settings.micro_batch_size] for i in range(0, len(mine), settings.micro_batch_size)]
                 for j, chunk in enumerate(chunks):
                     batch = collate([mixture[s.task].items[s.item] for s in chunk], pad_id).to(device)
@@ -184,7 +193,14 @@ def train_router(
                         ce = answer_cross_entropy(out.logits, batch.labels)
                         msr = elastic.msr()
                         penalty = lagrangian.penalty(msr, batch.task)
-                        loss = ce / target_tokens + penalty.sum() / settings.batch_size
+                        terms = {"penalty": penalty.sum() / settings.batch_size}
+                        spread = logit_spread(elastic) if settings.logit_penalty else None
+                        if spread is not None:
+                            terms["logit"] = settings.logit_penalty * spread.sum() / settings.batch_size
+                        if split is not None:
+                            for name, term in terms.items():
+                                split.add(name, term * world)
+                        loss = ce / target_tokens + sum(terms.values())
                         (loss * world).backward()
                     with torch.no_grad():
                         gap = lagrangian.gap(msr, batch.task)
@@ -195,7 +211,13 @@ def train_router(
                         stats[3 * n] += ce.detach().double()
                         stats[3 * n + 1] += penalty.detach().sum().double()
                         stats[3 * n + 2] += batch.tokens
+                        if spread is not None:
+                            stats[3 * n + 3] += spread.detach().sum().double()
+                        prob = decision_probabilities(elastic)
+                        if prob is not None:
+                            routing.add(prob, batch.task)
                 dist.all_reduce_(stats)
+                dist.all_reduce_(routing.stats)
                 for p in lagrangian.parameters():
                     if p.grad is not None:
                         dist.all_reduce_(p.grad).div_(world)
@@ -209,13 +231,22 @@ def train_router(
                         f"{str(ckpt) if ckpt else 'none (no checkpoint was written yet)'}; resume from it with "
                         "--resume after lowering train.router_lr / train.lambda_lr or using train.precision=fp32"
                     )
+                parts = split.row() if split is not None else None  # before clipping, from this process's gradients
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm or float("inf")))
-                lr = optimizer.param_groups[0]["lr"]
+                lr = settings.router_lr * cosine_with_warmup(step, settings.steps, settings.warmup_ratio)
                 optimizer.step()
                 lambda_opt.step()
                 scheduler.step()
+                for buffer in elastic.router.buffers():  # running statistics (e.g. input_norm) agree across processes
+                    if buffer.is_floating_point():
+                        dist.all_reduce_(buffer).div_(world)
                 elapsed = time.perf_counter() - t0
                 last = _row(step + 1, stats, mixture, lagrangian, lm_loss, reg_loss, lr, grad_norm, elastic, elapsed)
+                last.update(routing.row(labels))
+                if settings.logit_penalty:
+                    last["logit_spread"] = float(stats[3 * len(mixture) + 3]) / settings.batch_size
+                if parts is not None:
+                    last["grad_norm_parts"] = parts
                 if log is not None:
                     log.write(last)
                 if bar is not None:
@@ -247,6 +278,24 @@ def train_router(
             plot_msr(rows, run_dir / "msr.png", {t.label: target_bounds(t.target) for t in mixture})
     dist.barrier()
     return TrainResult(run_dir, adapter, settings.steps, last)
+
+
+def router_groups(router: Any, params: list[torch.nn.Parameter], lr_scale: dict[str, float]) -> dict[str, list]:
+    """The router's parameter groups (:meth:`~elasticfw.routing.base.Router.parameter_groups`), checked
+    against the trainable parameters and ``train.lr_scale``'s names."""
+    groups = {name: [p for p in ps if p.requires_grad] for name, ps in router.parameter_groups().items()}
+    grouped = [id(p) for ps in groups.values() for p in ps]
+    if sorted(grouped) != sorted(id(p) for p in params):
+        raise TrainingError(
+            f"router {router.name!r}: parameter_groups() must list every trainable parameter exactly once "
+            f"({len(grouped)} listed, {len(params)} trainable); this is a bug in the router plugin"
+        )
+    unknown = sorted(set(lr_scale) - set(groups))
+    if unknown:
+        raise UnsupportedInputError(
+            f"train.lr_scale names {unknown}, but router {router.name!r} has the parameter groups {sorted(groups)}"
+        )
+    return groups
 
 
 def _grads_finite(params: list[torch.nn.Parameter]) -> bool:
@@ -333,18 +382,25 @@ def _restore(run_dir, elastic, lagrangian, optimizer, lambda_opt, scheduler, mix
         lagrangian.lambda1.copy_(tensors["lagrangian.lambda1"])
         lagrangian.lambda2.copy_(tensors["lagrangian.lambda2"])
     # (load_state_dict moves each moment to its parameter's device)
-    load_optimizer(optimizer, "router_opt", tensors, meta["router_opt"])
-    load_optimizer(lambda_opt, "lambda_opt", tensors, meta["lambda_opt"])
+    try:
+        load_optimizer(optimizer, "router_opt", tensors, meta["router_opt"])
+        load_optimizer(lambda_opt, "lambda_opt", tensors, meta["lambda_opt"])
+    except (ValueError, KeyError) as exc:  # another optimiser layout (e.g. parameter groups of an older version)
+        raise CheckpointError(
+            f"--resume: the optimiser state in {ckpt} does not fit this router's parameter groups "
+            f"({', '.join(g.get('name', '?') for g in optimizer.param_groups)}): {exc}"
+        ) from None
     sched = dict(meta["scheduler"])
     sched.pop("lr_lambdas", None)
     scheduler.load_state_dict(sched | {"lr_lambdas": [None]})
     # the recipe's rates win over the saved ones (e.g. a lower lr after a non-finite loss); unchanged
     # settings give back exactly the saved values
     start = int(meta["step"])
-    scheduler.base_lrs = [settings.router_lr for _ in scheduler.base_lrs]
-    for group in optimizer.param_groups:
-        group.update(initial_lr=settings.router_lr, weight_decay=settings.weight_decay, betas=settings.betas,
-                     lr=settings.router_lr * cosine_with_warmup(start, settings.steps, settings.warmup_ratio))
+    peaks = [settings.router_lr * settings.lr_scale.get(group.get("name", ""), 1.0) for group in optimizer.param_groups]
+    scheduler.base_lrs = peaks
+    for group, peak in zip(optimizer.param_groups, peaks):
+        group.update(initial_lr=peak, weight_decay=settings.weight_decay, betas=settings.betas,
+                     lr=peak * cosine_with_warmup(start, settings.steps, settings.warmup_ratio))
     for group in lambda_opt.param_groups:
         group["lr"] = settings.lambda_lr
     return start

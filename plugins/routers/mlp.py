@@ -11,6 +11,14 @@ Per routed layer, head-agnostic weights applied to every KV head:
 
 About 0.27M parameters per layer at d' = 128, as in the paper.
 
+``input_norm: standardize`` (not in the paper; off by default) subtracts from each pooled vector
+the running mean of its (layer, KV head) and divides by that pair's running scale, statistics
+kept as buffers (saved with the adapter), updated in training and frozen at inference. The pooled
+keys of one head differ little between inputs next to how much heads differ (on the default
+model: cosine 0.97-0.99 between the task means), so without it the head-agnostic MLP learns a
+per-head assignment and saturates before it can read the input; see
+``docs/explanation/routing-and-training.md``.
+
 At inference the eager path costs the dispatch of about eleven small operations per layer. The
 ``kernel`` field selects instead one fused Triton kernel per layer
 (:mod:`elasticfw_plugins.routers.mlp_fused`): pooling, both MLPs, softmax and the decision in one
@@ -56,6 +64,19 @@ class MLPRouterConfig(RouterConfig):
     tau_min: float = Field(0.3, gt=0, description="Temperature floor.")
     tau_rate: float = Field(0.6, ge=0, description="Decay rate r of tau(p) = max(tau_min, tau_init exp(-r p)) (paper: 0.6).")
     tau_units: float = Field(10.0, gt=0, description="p at the end of training (p = progress * tau_units).")
+    input_norm: Literal["none", "standardize"] = Field(
+        "none",
+        description=(
+            "none: the pooled keys enter the task MLP as they are (paper). standardize: minus the running mean "
+            "of their (layer, KV head), divided by that pair's running scale (root mean variance over the head "
+            "dimension); the statistics are updated in training, frozen at inference and saved with the adapter."
+        ),
+    )
+    norm_momentum: float = Field(
+        0.01, gt=0, le=1,
+        description="input_norm statistics: a cumulative average over the first 1/momentum samples, then an "
+        "exponential moving average with this weight per sample.",
+    )
     kernel: Literal["auto", "eager", "triton"] = Field(
         "auto",
         description=(
@@ -130,6 +151,46 @@ class _LayerRouter(nn.Module):
         return F.linear(h, r3.weight, r3.bias)
 
 
+class InputStatistics(nn.Module):
+    """Running per-(layer, KV head) statistics of the pooled keys, and the standardisation they
+    define: ``(x - mean) / scale`` with ``scale = sqrt(mean over d of var + eps)``.
+
+    Each update weighs the batch's samples as a cumulative average until ``1 / momentum`` samples
+    have been seen, then as an exponential moving average (weight ``momentum`` per sample); a
+    layer with no update yet passes its input through unchanged."""
+
+    mean: torch.Tensor
+    sq: torch.Tensor
+    count: torch.Tensor
+
+    def __init__(self, layers: int, heads: int, dim: int, momentum: float) -> None:
+        super().__init__()
+        self.momentum = momentum
+        self.register_buffer("mean", torch.zeros(layers, heads, dim))
+        self.register_buffer("sq", torch.ones(layers, heads, dim))  # running E[x^2]
+        self.register_buffer("count", torch.zeros(layers))
+
+    @torch.no_grad()
+    def update(self, layer: int, pooled: torch.Tensor) -> None:
+        """Fold a batch of pooled vectors (B, H, D) of routed layer ``layer`` into the statistics."""
+        x = pooled.detach().float()
+        seen = float(self.count[layer]) + x.shape[0]
+        cap = 1.0 / self.momentum
+        weight = x.shape[0] / seen if seen <= cap else 1.0 - (1.0 - self.momentum) ** x.shape[0]
+        self.mean[layer].lerp_(x.mean(0), weight)
+        self.sq[layer].lerp_((x * x).mean(0), weight)
+        self.count[layer] = min(seen, cap)
+
+    def scale(self, layer: int) -> torch.Tensor:
+        """(H, 1) the root mean variance of each head's pooled features."""
+        var = (self.sq[layer] - self.mean[layer] ** 2).clamp_min(0).mean(-1, keepdim=True)
+        return (var + 1e-6).sqrt()
+
+    def forward(self, layer: int, pooled: torch.Tensor) -> torch.Tensor:
+        # (no host read: before any update the mean is 0 and E[x^2] is 1, so this is the identity)
+        return (pooled - self.mean[layer].to(pooled.dtype)) / self.scale(layer).to(pooled.dtype)
+
+
 class MLPRouter(Router):
     """Input-dependent router: boundary pooling + task MLP + router MLP + Gumbel/STE."""
 
@@ -147,6 +208,11 @@ class MLPRouter(Router):
                 nn.init.normal_(last.weight, std=0.02)
                 last.bias.copy_(torch.tensor([0.0, float(torch.log(torch.tensor(p / (1 - p))))]))
         self.schedule = TemperatureSchedule(config.tau_init, config.tau_min, config.tau_rate, config.tau_units)
+        #: per-(layer, head) statistics of the pooled keys (``input_norm: standardize``), else None
+        self.input_stats = (
+            InputStatistics(heads.num_routed, heads.num_kv_heads, heads.head_dim, config.norm_momentum)
+            if config.input_norm == "standardize" else None
+        )
         #: the fused kernel's verdict per (layer, key dtype, device, head dim, weight dtype, device): None = runs
         self._fused_reasons: dict[tuple, str | None] = {}
 
@@ -159,11 +225,11 @@ class MLPRouter(Router):
         if module is None or keys.dim() != 4 or keys.shape[-1] != self.heads.head_dim:
             self._refuse(layer, keys)
         if not self.training and self.config.kernel != "eager":
-            fused = self._fused_decide(cast(_LayerRouter, module), keys, seq)
+            fused = self._fused_decide(layer, cast(_LayerRouter, module), keys, seq)
             if fused is not None:
                 return fused
-        pooled = boundary_pool(keys, seq, self.config.pool_tokens).to(module.task_mlp[0].weight.dtype)
-        logits = module(pooled)  # (B, H, 2)
+        pooled = self._features(layer, boundary_pool(keys, seq, self.config.pool_tokens))
+        logits = module(pooled.to(module.task_mlp[0].weight.dtype))  # (B, H, 2)
         if self.training:
             prob = gumbel_softmax_sparse_prob(
                 logits, self.temperature(), noise=True, gumbel=self.preset_noise(layer, logits)
@@ -173,6 +239,22 @@ class MLPRouter(Router):
         # non-finite keys, go to the retrieval mode, as in the fused kernel)
         prob = torch.softmax(logits.float(), dim=-1)[..., 1]
         return RouterDecision((prob > 0.5).to(prob.dtype), prob, logits)
+
+    def _features(self, layer: int, pooled: torch.Tensor) -> torch.Tensor:
+        """The task MLP's input: the pooled keys, standardised under ``input_norm: standardize``
+        (whose statistics a training forward updates first)."""
+        stats = self.input_stats
+        if stats is None:
+            return pooled
+        if self.training:
+            stats.update(layer, pooled)
+        return stats(layer, pooled)
+
+    def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
+        return {
+            "task_mlp": [p for layer in self.layers for p in layer.task_mlp.parameters()],
+            "router_mlp": [p for layer in self.layers for p in layer.router_mlp.parameters()],
+        }
 
     def _refuse(self, layer: int, keys: torch.Tensor) -> NoReturn:
         """The error for a ``decide`` call this router cannot take (a layer it has no weights for, keys
@@ -186,7 +268,9 @@ class MLPRouter(Router):
             f"{self.heads.head_dim}): the router was built for head dim {self.heads.head_dim}"
         )
 
-    def _fused_decide(self, module: _LayerRouter, keys: torch.Tensor, seq: SeqInfo) -> RouterDecision | None:
+    def _fused_decide(
+        self, layer: int, module: _LayerRouter, keys: torch.Tensor, seq: SeqInfo
+    ) -> RouterDecision | None:
         """The inference decision from the fused kernel, or ``None`` where ``kernel: auto`` keeps the
         eager path. ``kernel: triton`` raises when the kernel cannot run.
 
@@ -219,7 +303,9 @@ class MLPRouter(Router):
                 "use kernel: auto (fused where it can run, else eager) or eager"
             )
         mlp_fused = _fused_kernels()
-        if fast:
+        if self.input_stats is not None:  # standardised features: pooled eagerly, then the fused MLPs
+            hard, prob, logits = mlp_fused.fused_mlp(params, self._features(layer, boundary_pool(keys, seq, pool_tokens)))
+        elif fast:
             hard, prob, logits = mlp_fused.fused_decide(params, keys, pool_tokens)
         else:  # padding or a short sequence: the eager gather pooling, then the fused MLPs and decision
             hard, prob, logits = mlp_fused.fused_mlp(params, boundary_pool(keys, seq, pool_tokens))

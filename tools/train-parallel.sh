@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# On a lent GPU (after tools/device-session.sh has assembled the default model): train several
+# router recipes side by side on the one GPU, then pack the runs (without checkpoints) into
+# $OUT/train.tgz and their logs into $OUT/logs.tgz.
+#   bash tools/device-session.sh run -- bash tools/train-parallel.sh \
+#       "NAME|RECIPE|override override ..." "NAME2|RECIPE2|..." ...
+# Each run writes /tmp/elasticfw-device/train/NAME (elasticfw train RECIPE --overwrite --output ...).
+set -euo pipefail
+T=/tmp/elasticfw-device/train
+mkdir -p "$T" "$OUT"
+first=${1%%|*}; rest=${1#*|}; recipe=${rest%%|*}
+python3 -c "from elasticfw.model.loading import load_model; from elasticfw.recipe import load_recipe; \
+load_model(load_recipe('$recipe').model)"   # converts the GGUF once
+pids=()
+for spec in "$@"; do
+  name=${spec%%|*}; rest=${spec#*|}; recipe=${rest%%|*}; overrides=${rest#*|}
+  [ "$overrides" = "$rest" ] && overrides=""
+  # shellcheck disable=SC2086
+  python3 -m elasticfw.cli train "$recipe" $overrides --overwrite --output "$T/$name" > "$T/$name.log" 2>&1 &
+  pids+=($!)
+  # the next run starts once this one has cached the task samples (they are shared)
+  until grep -q "training router" "$T/$name.log" || ! kill -0 "${pids[-1]}" 2>/dev/null; do sleep 2; done
+done
+rc=0
+for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+names=(); for spec in "$@"; do names+=("${spec%%|*}"); done
+tar -C "$T" -czf "$OUT/train.tgz" --exclude='checkpoints' "${names[@]}" || rc=$?
+tar -C "$T" -czf "$OUT/logs.tgz" $(for n in "${names[@]}"; do echo "$n.log"; done) || rc=$?
+for n in "${names[@]}"; do echo "== $n"; grep -v "it/s\]\|step/s\]\|s/step\]" "$T/$n.log" | tail -12; done
+exit $rc
