@@ -176,6 +176,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from elasticfw.training.inspect import format_inspection, inspect_adapter
+
+    result = inspect_adapter(_load(args), args.adapter, samples=args.samples, out=args.out, batch_size=args.batch_size)
+    print(format_inspection(result))
+    if args.out:
+        print(f"written: {args.out}/routing.json, {args.out}/routing.png")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from datetime import datetime
 
@@ -302,6 +312,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue the run in the folder from its last checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in the folder")
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("inspect", help="how a trained adapter routes held-back prompts of the recipe's training tasks")
+    p.add_argument("adapter", help="an adapter folder (e.g. RUN/mlp/adapter)")
+    p.add_argument("file", help="the recipe it was trained with (its train.tasks give the prompts)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value")
+    p.add_argument("--samples", type=int, default=16, help="eval-split prompts per task (default 16)")
+    p.add_argument("--batch-size", type=int, default=4, help="prompts per prefill (default 4)")
+    p.add_argument("--out", help="a folder for routing.json and routing.png")
+    p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("demo", help="the paper in miniature: train the router and a static baseline, compare with full")
     p.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.steps=4")

@@ -276,6 +276,20 @@ def test_run_training_trains_baselines_evaluates_and_refuses_to_overwrite(regist
             assert row["msr"] == pytest.approx(
                 sum(s["msr"] for s in summary["details"][router][next(k for k, v in tasks.items() if v is row)]["per_sample"]) / 4
             )
+        # spread and routing, recomputed from the per-sample rows
+        for name, row in tasks.items():
+            samples = summary["details"][router][name]["per_sample"]
+            msrs = [s["msr"] for s in samples]
+            mean = sum(msrs) / len(msrs)
+            assert row["msr_std"] == pytest.approx((sum((m - mean) ** 2 for m in msrs) / len(msrs)) ** 0.5)
+            assert (row["msr_min"], row["msr_max"]) == (min(msrs), max(msrs))
+            share = summary["routers"][router]["routing"]["sparse_share"][name]
+            grids = [s["decisions"] for s in samples]
+            assert share == [[pytest.approx(sum(g[i][j] for g in grids) / len(grids)) for j in range(len(grids[0][0]))]
+                             for i in range(len(grids[0]))]
+        assert (tmp_path / "run" / router / "routing.png").is_file()
+    static = summary["routers"]["static"]["routing"]
+    assert static["adaptive_samples"] == 0.0 and static["task_dependent_heads"] == []  # input-independent
     on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert on_disk["routers"].keys() == summary["routers"].keys()
     with pytest.raises(TrainingError, match="already holds a run; pass --resume"):

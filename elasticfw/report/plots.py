@@ -9,7 +9,7 @@
   Skipped when there are no speed-ups (:func:`pareto_skip_reason` says why).
 * ``heads_<variant>``: for a variant whose rows carry routing decisions, the fraction of samples
   that route each (layer, KV head) to the retrieval mode (full attention in FA-* variants), one panel
-  per task category (paper Fig. 6).
+  per task, sensitive tasks first (paper Fig. 6).
 
 Figures are drawn on :class:`matplotlib.figure.Figure` objects directly, not through pyplot, so no
 display backend is needed and the caller's pyplot state and backend are left alone.
@@ -223,31 +223,43 @@ def _pareto(points: dict[str, tuple[float, float]], reference: str, colors: dict
     return fig
 
 
-def _heads(rows: list[dict[str, Any]], variant: str) -> Figure:
+def heads_figure(rows: list[dict[str, Any]], variant: str) -> Figure:
+    """Per task (sensitive tasks first), the fraction of samples routing each (layer, KV head) to
+    the retrieval mode."""
     shapes = {np.asarray(r["decisions"], dtype=float).shape for r in rows}
     if len(shapes) != 1 or len(next(iter(shapes))) != 2:
         raise ReportError(
             f"variant {variant!r}: routing decisions must be layers × KV heads of one shape in every row, "
             f"got shapes {sorted(shapes)}"
         )
-    n_layers, n_heads = next(iter(shapes))
     layer_ids = next((r["routed_layers"] for r in rows if r.get("routed_layers")), None)
+    groups: dict[str, list[np.ndarray]] = {}
+    for category in CATEGORIES:
+        for r in rows:
+            if r["category"] == category:
+                groups.setdefault(f"{r.get('task') or category} ({category})", []).append(np.asarray(r["decisions"], float))
+    return head_panels(groups, layer_ids, _text(f"Head routing of {variant}"))
+
+
+def head_panels(groups: dict[str, list[np.ndarray]], layer_ids: Sequence[int] | None, title: str) -> Figure:
+    """One panel per group: the fraction of its samples (each a layers × KV heads 0/1 array, 1 =
+    sparse) that route each (layer, KV head) to the retrieval mode (paper Fig. 6)."""
+    n_layers, n_heads = next(iter(groups.values()))[0].shape
     if layer_ids is None or len(layer_ids) != n_layers:
         layer_ids = list(range(n_layers))
-    present = [c for c in CATEGORIES if any(r["category"] == c for r in rows)]
-    fig = Figure(figsize=(1.5 + 3.4 * len(present), 1.6 + 0.22 * n_layers), layout="constrained")
-    axes = list(np.atleast_1d(fig.subplots(1, len(present), squeeze=False)).ravel())
-    for ax, category in zip(axes, present):
-        chosen = [np.asarray(r["decisions"], dtype=float) for r in rows if r["category"] == category]
+    fig = Figure(figsize=(1.5 + 2.6 * len(groups), 1.6 + 0.22 * n_layers), layout="constrained")
+    axes = list(np.atleast_1d(fig.subplots(1, len(groups), squeeze=False)).ravel())
+    for ax, (name, chosen) in zip(axes, groups.items()):
         full = 1.0 - np.mean(chosen, axis=0)
         ax.imshow(full, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto", interpolation="nearest")
         ystep, xstep = max(1, math.ceil(n_layers / 16)), max(1, math.ceil(n_heads / 16))
-        ax.set_yticks(range(0, n_layers, ystep), [str(x) for x in layer_ids[::ystep]])
+        ax.set_yticks(range(0, n_layers, ystep), [str(x) for x in list(layer_ids)[::ystep]])
         ax.set_xticks(range(0, n_heads, xstep))
-        ax.set(title=f"{category} tasks ({len(chosen)} samples)", xlabel="KV head", ylabel="layer")
+        ax.set(title=f"{name}\n{len(chosen)} samples, MSR {float(np.mean(chosen)):.3f}", xlabel="KV head", ylabel="layer")
+        ax.title.set_fontsize(9)
     scale = ScalarMappable(Normalize(0.0, 1.0), cmap="viridis")
     fig.colorbar(scale, ax=axes, label="fraction routed to the retrieval mode")
-    fig.suptitle(_text(f"Head routing of {variant}"))
+    fig.suptitle(title)
     return fig
 
 
@@ -273,5 +285,5 @@ def write_figures(run: Run, out_dir: Path, *, confidence: float = 0.95) -> list[
             while stem in used:
                 stem, k = f"{name}-{k}", k + 1
             used.add(stem)
-            written += _save(_heads(routed, variant), out_dir, stem)
+            written += _save(heads_figure(routed, variant), out_dir, stem)
     return written

@@ -7,7 +7,9 @@ retrieval, less on robust tasks. For each variant whose rows carry decisions thi
 * ``adaptive_samples`` — the fraction of samples whose assignment differs anywhere from the
   variant's most common one (per head: the majority decision; 0 for a static assignment);
 * ``task_dependent_heads`` — heads whose retrieval frequency differs by more than
-  ``threshold`` between the two task categories.
+  ``threshold`` between the two task categories;
+* ``msr_by_task[task]`` — the per-sample MSR's mean and standard deviation over the task's samples
+  (a spread of 0 everywhere is a static assignment in disguise).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class RoutingSummary:
     retrieval_heads: dict[str, float] = field(default_factory=dict)
     adaptive_samples: float = 0.0
     task_dependent_heads: list[tuple[int, int, float, float]] = field(default_factory=list)  # (layer, head, sens, rob)
+    msr_by_task: dict[str, tuple[float, float]] = field(default_factory=dict)  # task: (mean, std)
 
 
 def routing_summaries(
@@ -60,7 +63,12 @@ def routing_summaries(
                 if abs(sens[h] - rob[h]) > threshold:
                     dependent.append((own[0]["routed_layers"][h // width] if own[0].get("routed_layers") else h // width,
                                       h % width, sens[h], rob[h]))
-        out.append(RoutingSummary(variant, len(own), heads, retrieval, adaptive, dependent))
+        by_task: dict[str, tuple[float, float]] = {}
+        for task in dict.fromkeys(r.get("task") for r in own if r.get("msr") is not None):
+            values = [float(r["msr"]) for r in own if r.get("task") == task and r.get("msr") is not None]
+            mean = sum(values) / len(values)
+            by_task[str(task)] = (mean, (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5)
+        out.append(RoutingSummary(variant, len(own), heads, retrieval, adaptive, dependent, by_task))
     return out
 
 
@@ -89,4 +97,11 @@ def routing_markdown(summaries: Sequence[RoutingSummary]) -> str:
             f"{s.adaptive_samples:.2f}", dependent or "none",
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    spread = [s for s in summaries if s.msr_by_task]
+    if spread:
+        lines += ["", "Per-task MSR, mean ± standard deviation over samples:", "",
+                  "| variant | " + " | ".join(["task: MSR"]) + " |", "|:--|:--|"]
+        for s in spread:
+            text = ", ".join(f"{t}: {m:.3f} ± {d:.3f}" for t, (m, d) in s.msr_by_task.items())
+            lines.append(f"| {s.variant.replace('|', chr(92) + '|')} | {text} |")
     return "\n".join(lines) + "\n"

@@ -94,6 +94,8 @@ def summary_dict(recipe: Any, mixture: list[MixtureTask], evals: dict[str, Any],
                 "samples": r["samples"],
             }
         routers[label] = {"tasks": tasks, **_means(tasks)}
+    for label, rows in routing_rows(evals, mixture).items():
+        routers[label]["routing"] = routing_block(rows, label)
     device = next(model.parameters()).device
     return {
         "model": recipe.model.name,
@@ -105,6 +107,61 @@ def summary_dict(recipe: Any, mixture: list[MixtureTask], evals: dict[str, Any],
         "recipe": recipe.model_dump(mode="json"),
         "environment": environment(device if isinstance(device, torch.device) else torch.device("cpu")),
     }
+
+
+def routing_rows(evals: dict[str, Any], mixture: list[MixtureTask]) -> dict[str, list[dict[str, Any]]]:
+    """Per trained router, one row per held-back sample that has routing decisions: its task,
+    category, MSR, decisions (layers x KV heads, 1 = sparse) and noise-free P(sparse)."""
+    categories = {t.label: t.category for t in mixture}
+    out: dict[str, list[dict[str, Any]]] = {}
+    for label, per_task in evals.items():
+        if label == FULL:
+            continue
+        rows = [
+            {"variant": label, "task": task, "category": categories.get(task, ""), "msr": r["msr"],
+             "decisions": r["decisions"], "prob_sparse": r.get("prob_sparse")}
+            for task, res in per_task.items() for r in res["per_sample"] if r.get("decisions")
+        ]
+        if rows:
+            out[label] = rows
+    return out
+
+
+def routing_block(rows: list[dict[str, Any]], label: str) -> dict[str, Any]:
+    """The held-back routing of one router: decision margins, how many samples differ from the
+    majority assignment, the heads whose routing differs between task categories, and per task
+    the fraction of samples routing each (layer, KV head) sparse."""
+    import torch
+
+    from elasticfw.report.routing import routing_summaries
+    from elasticfw.training.diagnostics import margin_histogram, margin_summary
+
+    probs = [torch.tensor(r["prob_sparse"]) for r in rows if r.get("prob_sparse") is not None]
+    summary = routing_summaries(rows, [label])[0]
+    per_task: dict[str, list[list[float]]] = {}
+    for task in dict.fromkeys(r["task"] for r in rows):
+        grids = torch.tensor([r["decisions"] for r in rows if r["task"] == task], dtype=torch.float64)
+        per_task[task] = grids.mean(0).round(decimals=4).tolist()
+    return {
+        "margins": margin_summary(margin_histogram(torch.cat([p.flatten() for p in probs]))) if probs else None,
+        "adaptive_samples": summary.adaptive_samples,
+        "task_dependent_heads": [list(h) for h in summary.task_dependent_heads],
+        "sparse_share": per_task,
+    }
+
+
+def write_routing_figures(evals: dict[str, Any], mixture: list[MixtureTask], root: Path) -> list[Path]:
+    """``<root>/<router>/routing.png``: per task, the share of samples routing each (layer, KV head)
+    to the retrieval mode (paper Fig. 6)."""
+    from elasticfw.report.plots import heads_figure
+
+    written = []
+    for label, rows in routing_rows(evals, mixture).items():
+        out = root / label / "routing.png"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        heads_figure(rows, label).savefig(out, dpi=110)
+        written.append(out)
+    return written
 
 
 def msr_spread(values: list[float]) -> dict[str, float]:

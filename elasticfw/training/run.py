@@ -171,12 +171,13 @@ def run_training(
                 elastic.unwrap()
         summary: dict[str, Any] = {}
         if recipe.train.evaluate and dist.is_main:
-            from elasticfw.training.evaluate import evaluate_heldout, format_summary, summary_dict
+            from elasticfw.training.evaluate import evaluate_heldout, format_summary, summary_dict, write_routing_figures
 
             adapters = {label: (r.adapter_dir if isinstance(r, TrainResult) else r) for label, r in results.items()}
             evals = evaluate_heldout(recipe, model, tokenizer, mixture, adapters, registry=registry, progress=progress)
             summary = summary_dict(recipe, mixture, evals, model)
             atomic_write_text(root / SUMMARY, json.dumps(summary, indent=2))
+            write_routing_figures(evals, mixture, root)
             print(format_summary(summary), flush=True)
             _say(f"summary written to {root / SUMMARY}")
         dist.barrier()
