@@ -15,5 +15,5 @@ from elasticfw.training.run import run_training
 if __name__ == "__main__":
     out, micro = sys.argv[1], int(sys.argv[2])
     registry = training_registry()
-    recipe = validate_recipe_data(tiny_train_recipe(out, steps=3, batch_size=4, micro_batch_size=micro), registry=registry)
+    recipe = validate_recipe_data(tiny_train_recipe(out, steps=3, batch_size=4, micro_batch_size=micro, diagnostics_every=1), registry=registry)
     run_training(recipe, registry=registry, progress=False)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from training_helpers import TINY_ELASTIC, ByteTokenizer, tiny_train_recipe, training_registry
 
 from elasticfw.model.loading import make_elastic
 from elasticfw.recipe import validate_recipe_data
@@ -27,7 +28,6 @@ from elasticfw.testing.models import tiny_model
 from elasticfw.training.data import collate
 from elasticfw.training.run import build_mixture
 from elasticfw.training.trainer import train_router
-from training_helpers import TINY_ELASTIC, ByteTokenizer, tiny_train_recipe, training_registry
 
 pytestmark = pytest.mark.slow
 

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from training_helpers import TINY_ELASTIC, ByteTokenizer, tiny_train_recipe, training_registry
 
 from elasticfw.errors import UnsupportedInputError
 from elasticfw.model.checkpoint import load_adapter
@@ -28,7 +29,6 @@ from elasticfw.training.logs import read_metrics
 from elasticfw.training.run import build_mixture
 from elasticfw.training.trainer import train_router
 from elasticfw_plugins.routers.mlp import InputStatistics
-from training_helpers import TINY_ELASTIC, ByteTokenizer, tiny_train_recipe, training_registry
 
 
 @pytest.fixture(scope="module")

@@ -44,5 +44,14 @@ def test_two_processes_match_one_process(tmp_path):
             assert c[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6)
         assert b["msr"] == pytest.approx(a["msr"], abs=1e-6) and c["msr"] == pytest.approx(a["msr"], abs=1e-6)
         assert b["lambda1"] == pytest.approx(a["lambda1"], rel=1e-4, abs=1e-7)
+        # routing statistics are summed over processes (every diagnostic on, the gradient split too)
+        for task, grid in a["p_sparse"].items():
+            for want, got in ((grid, b["p_sparse"][task]), (grid, c["p_sparse"][task])):
+                assert (want is None) == (got is None)
+                if want is not None:
+                    assert [x for row in got for x in row] == pytest.approx([x for row in want for x in row], abs=1e-4)
+        assert b["margins"]["saturated"] == pytest.approx(a["margins"]["saturated"])
+        assert b["grad_norm_parts"]["router_mlp"]["total"] == pytest.approx(
+            a["grad_norm_parts"]["router_mlp"]["total"], rel=1e-3)
     # only rank 0 wrote the run folder's files
     assert (tmp_path / "two" / "mlp" / "adapter").is_dir()

@@ -58,7 +58,7 @@ def inspect_adapter(
     rows: list[dict[str, Any]] = []
     tasks: dict[str, Any] = {}
     try:
-        for index, entry in enumerate(recipe.train.tasks):
+        for entry in recipe.train.tasks:
             plugin = registry.make("task", entry.task.model_copy(update={"num_samples": samples}))
             label = entry.label or plugin.name
             category = entry.category or plugin.category

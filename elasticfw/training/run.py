@@ -171,7 +171,12 @@ def run_training(
                 elastic.unwrap()
         summary: dict[str, Any] = {}
         if recipe.train.evaluate and dist.is_main:
-            from elasticfw.training.evaluate import evaluate_heldout, format_summary, summary_dict, write_routing_figures
+            from elasticfw.training.evaluate import (
+                evaluate_heldout,
+                format_summary,
+                summary_dict,
+                write_routing_figures,
+            )
 
             adapters = {label: (r.adapter_dir if isinstance(r, TrainResult) else r) for label, r in results.items()}
             evals = evaluate_heldout(recipe, model, tokenizer, mixture, adapters, registry=registry, progress=progress)
