@@ -198,6 +198,12 @@ def test_training_logs_the_diagnostics_and_applies_lr_scale(registry, tmp_path):
     assert set(parts) == {"total", "lm", "penalty", "logit"} and parts["logit"] > 0
     assert set(second["p_sparse"]) == {"recall", "repeat"} and second["logit_spread"] > 0
     assert 0 <= second["margins"]["saturated"] <= 1
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(tmp_path / "tensorboard"))
+    board.Reload()
+    assert {"p_sparse/recall", "p_sparse/repeat"} <= set(board.Tags()["histograms"])
+    assert {"margins/saturated", "grad_norm_parts/task_mlp/lm", "lambda1/recall"} <= set(board.Tags()["scalars"])
 
 
 def test_lr_scale_names_must_be_the_routers_parts(registry, tmp_path):

@@ -1,7 +1,9 @@
 """What a training run writes as it goes: JSONL metrics, TensorBoard scalars, a plot.
 
 ``metrics.jsonl`` has one JSON object per step (LM loss, sparsity loss, MSR / gap / λ1 / λ2 per
-task, τ, learning rate, tokens/s). On resume, the lines after the checkpoint's step are dropped
+task, τ, learning rate, tokens/s, and the routing diagnostics of
+:mod:`elasticfw.training.diagnostics`); TensorBoard gets its numbers as scalars and its lists
+(P(sparse) per task and head) as histograms. On resume, the lines after the checkpoint's step are dropped
 (they will be recomputed) and TensorBoard is opened with ``purge_step`` for the same reason.
 """
 
@@ -12,6 +14,8 @@ import math
 import os
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from elasticfw.errors import CheckpointError
 from elasticfw.jsonl import read_jsonl, rewrite_jsonl
@@ -42,6 +46,10 @@ class MetricsLog:
             for key, value in _flatten(row).items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                     self._tb.add_scalar(key, value, step)
+                elif isinstance(value, list):  # e.g. P(sparse) per (layer, KV head) of a task: a histogram
+                    numbers = _numbers(value)
+                    if numbers:
+                        self._tb.add_histogram(key, np.asarray(numbers, dtype=np.float64), step)
 
     def close(self) -> None:
         self._file.close()
@@ -58,6 +66,13 @@ def _flatten(row: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[name] = value
     return out
+
+
+def _numbers(value: Any) -> list[float]:
+    """The finite numbers of a nested list, flattened."""
+    if isinstance(value, list):
+        return [x for item in value for x in _numbers(item)]
+    return [float(value)] if isinstance(value, (int, float)) and math.isfinite(value) else []
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

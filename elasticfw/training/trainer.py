@@ -3,7 +3,8 @@
 Each step: the global batch of the step (a deterministic draw from the task mixture) is split
 over processes and micro-batches; every micro-batch runs the elastic model in training mode
 (every head computes both modes, mixed by the router's straight-through decision), the loss is
-``CE(target tokens) / global target tokens + Σ penalty(MSR_i) / global batch``, and after the
+``CE(target tokens) / global target tokens + Σ penalty(MSR_i) / global batch`` (plus
+``train.logit_penalty`` times the mean logit spread, when set), and after the
 last micro-batch the router takes an AdamW step (warm-up + cosine) and the Lagrange multipliers
 an Adam step of gradient *ascent*. Only router parameters and multipliers change: the backbone
 is frozen and :func:`train_router` checks it is bit-identical at the end.
