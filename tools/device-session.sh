@@ -6,7 +6,7 @@
 # 98 MB GGUF. So the GGUF travels in numbered pieces, .gguf/p0/part0, .gguf/p1/part1, ... (see
 # docs/how-to/run-on-gpu.md, "On a lent machine"), one or more per call, each call within 30 s of
 # the last while the machine is warm:
-#   call 1, carry [.whl, .gguf/p0]:   bash tools/device-session.sh stage-a
+#   call 1, carry [.whl]:              bash tools/device-session.sh stage-a
 #   calls 2.., carry [.gguf/pK]:       bash tools/device-session.sh stage-a
 #   last call, carry [.gguf/pN]:       bash tools/device-session.sh stage-b -- <command ...>
 #   later calls while warm:            bash tools/device-session.sh run -- <command ...>
