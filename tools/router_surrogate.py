@@ -25,7 +25,12 @@ import math
 import torch
 from torch.nn import functional as F
 
-from elasticfw.routing.gumbel import TemperatureSchedule, gumbel_noise, gumbel_softmax_sparse_prob, straight_through
+from elasticfw.routing.gumbel import (
+    TemperatureSchedule,
+    gumbel_noise,
+    gumbel_softmax_sparse_prob,
+    straight_through,
+)
 from elasticfw.training.objective import Lagrangian
 from elasticfw.training.trainer import cosine_with_warmup
 
