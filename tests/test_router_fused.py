@@ -60,9 +60,11 @@ def same_weights(router: MLPRouter, kernel: str) -> MLPRouter:
 
 
 @torch.no_grad()
-def definition(router: MLPRouter, layer: int, keys: torch.Tensor, starts: list[list[int]]) -> tuple:
+def definition(router: MLPRouter, layer: int, keys: torch.Tensor, starts: list[list[int]],
+               standardize: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple:
     """float64 (hard, prob, logits) of routed layer ``layer``; ``starts[b]`` lists the key positions
-    pooled for sample b (the first and last N real tokens)."""
+    pooled for sample b (the first and last N real tokens); ``standardize``: (mean (H, D), scale
+    (H, 1)) applied to the pooled vectors first."""
     module = router.layers[layer]
     wdtype = module.task_mlp[0].weight.dtype
 
@@ -76,6 +78,8 @@ def definition(router: MLPRouter, layer: int, keys: torch.Tensor, starts: list[l
         return rnd(x / (1.0 + torch.exp(-x)))
 
     pooled = torch.stack([keys[b][:, starts[b]].double().mean(1) for b in range(keys.shape[0])])  # (B, H, D)
+    if standardize is not None:
+        pooled = (pooled - standardize[0].double()) / standardize[1].double()
     t1, _, t2 = module.task_mlp
     r1, _, r2, _, r3 = module.router_mlp
     h = linear(silu(linear(rnd(pooled), t1)), t2)
@@ -131,6 +135,24 @@ def test_fused_matches_the_float64_definition(batch, heads, dim, sk, pool, spy):
     assert spy == {"fused_decide": 1, "fused_mlp": 0}
     check(got, definition(router, 1, keys, ends(sk, pool, batch)), FP32)
     assert got.logits is not None and got.logits.dtype == torch.float32
+
+
+def test_fused_kernel_reads_the_standardised_input(spy):
+    """input_norm: standardize: the eager pooling, the running statistics, then the fused MLPs."""
+    torch.manual_seed(3)
+    router = MLPRouter(MLPRouterConfig(pool_tokens=20, kernel="triton", input_norm="standardize"),
+                       HeadLayout((0, 1), 3, 3, 64))
+    with torch.no_grad():
+        for layer in router.layers:
+            layer.router_mlp[-1].weight.normal_(0.0, 0.5)
+    router.train()
+    router.input_stats.update(1, torch.randn(6, 3, 64) * 3 + 1)
+    router = router.to(DEVICE).eval()
+    keys = make_keys(2, 3, 300, 64)
+    got = router.decide(1, keys, dense(2, 300))
+    assert spy == {"fused_decide": 0, "fused_mlp": 1}
+    stats = (router.input_stats.mean[1], router.input_stats.scale(1))
+    check(got, definition(router, 1, keys, ends(300, 20, 2), standardize=stats), FP32)
 
 
 def test_a_router_copies_and_pickles_after_a_fused_decision(spy):
