@@ -156,8 +156,9 @@ class InputStatistics(nn.Module):
     define: ``(x - mean) / scale`` with ``scale = sqrt(mean over d of var + eps)``.
 
     Each update weighs the batch's samples as a cumulative average until ``1 / momentum`` samples
-    have been seen, then as an exponential moving average (weight ``momentum`` per sample); a
-    layer with no update yet passes its input through unchanged."""
+    have been seen, then as an exponential moving average (weight ``momentum`` per sample). Before
+    its first update a layer's statistics (mean 0, E[x^2] 1) leave the input unchanged up to the
+    1e-6 added to the variance."""
 
     mean: torch.Tensor
     sq: torch.Tensor
