@@ -144,6 +144,14 @@ class GradientSplit:
             if g is not None:
                 acc[id(p)] = acc[id(p)] + g if id(p) in acc else g.detach().clone()
 
+    def reduce(self, average: Any) -> None:
+        """Replace every accumulated term's gradient by ``average`` of it (e.g. an all-reduce divided
+        by the processes), so that the terms and the data-parallel total are in the same units."""
+        for acc in self.terms.values():  # every parameter, in one order on every process
+            for p in self.params:
+                g = acc.get(id(p))
+                acc[id(p)] = average(torch.zeros_like(p) if g is None else g)
+
     def row(self) -> dict[str, dict[str, float]]:
         """{group: {"total", "lm", <term>...}} gradient norms (before clipping)."""
         total = {id(p): p.grad.detach() for p in self.params if p.grad is not None}

@@ -232,7 +232,10 @@ def train_router(
                         f"{str(ckpt) if ckpt else 'none (no checkpoint was written yet)'}; resume from it with "
                         "--resume after lowering train.router_lr / train.lambda_lr or using train.precision=fp32"
                     )
-                parts = split.row() if split is not None else None  # before clipping, from this process's gradients
+                parts = None
+                if split is not None:  # before clipping; the terms averaged over processes like the total
+                    split.reduce(lambda t: dist.all_reduce_(t).div_(world))
+                    parts = split.row()
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm or float("inf")))
                 lr = settings.router_lr * cosine_with_warmup(step, settings.steps, settings.warmup_ratio)
                 optimizer.step()
