@@ -8,8 +8,8 @@
 # A call lasts at most 10 minutes, so longer runs span calls while the machine stays warm:
 #   DEADLINE=540  stop every run (SIGTERM) 540 s after this script started; each keeps its last
 #                 checkpoint (pass train.checkpoint_every=10 or so among the overrides)
-#   RESUME=1      continue the named runs from their checkpoints (--resume instead of --overwrite);
-#                 a run that has finished is only evaluated if it had not been
+#   RESUME=1      continue the named runs that exist from their checkpoints (--resume instead of
+#                 --overwrite); names not run before start afresh
 set -euo pipefail
 T=/tmp/elasticfw-device/train
 mkdir -p "$T" "$OUT"
@@ -17,11 +17,11 @@ begin=$(date +%s)
 first=${1%%|*}; rest=${1#*|}; recipe=${rest%%|*}
 python3 -c "from elasticfw.model.loading import load_model; from elasticfw.recipe import load_recipe; \
 load_model(load_recipe('$recipe').model)"   # converts the GGUF once
-mode=--overwrite; [ "${RESUME:-0}" = 1 ] && mode=--resume
 pids=()
 for spec in "$@"; do
   name=${spec%%|*}; rest=${spec#*|}; recipe=${rest%%|*}; overrides=${rest#*|}
   [ "$overrides" = "$rest" ] && overrides=""
+  mode=--overwrite; [ "${RESUME:-0}" = 1 ] && [ -d "$T/$name" ] && mode=--resume
   limit=()
   if [ -n "${DEADLINE:-}" ]; then limit=(timeout --kill-after=30 "$(( DEADLINE - ($(date +%s) - begin) ))"); fi
   # shellcheck disable=SC2086
