@@ -8,7 +8,9 @@ data-dependent modes' ``build_layout`` also call :meth:`~elasticfw.attention.seq
 So a bad call raises :class:`~elasticfw.errors.UnsupportedInputError` before any torch kernel runs,
 whichever plugin it reaches. The checks read tensor metadata (shapes, dtypes, devices) and, for a
 layout, the number of query blocks (one host read of ``seq.q_start``); the values of ``seq`` are
-checked once, when the :class:`~elasticfw.attention.seq.SeqInfo` is built.
+checked once, when the :class:`~elasticfw.attention.seq.SeqInfo` is built. :func:`check_qkv`
+(q, k and v against a ``SeqInfo``) is defined beside ``SeqInfo`` in :mod:`elasticfw.attention.seq`,
+which this module builds on, and is importable from here too.
 
 Every message names the argument, what it was (shape, device, dtype or value) and what was
 expected, e.g.::
@@ -21,14 +23,13 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from elasticfw.attention.layout import BlockLayout
+from elasticfw.attention.seq import SeqInfo, check_qkv, describe  # check_qkv, describe: re-exported
 from elasticfw.errors import UnsupportedInputError
-
-if TYPE_CHECKING:
-    from elasticfw.attention.seq import SeqInfo
 
 
 class _NotGiven:
@@ -41,78 +42,8 @@ class _NotGiven:
 NOT_GIVEN: Any = _NotGiven()
 
 
-def describe(t: Any) -> str:
-    """``shape (..), device .., dtype ..`` of a tensor, or the type and repr of anything else."""
-    if isinstance(t, torch.Tensor):
-        return f"shape {tuple(t.shape)}, device {t.device}, dtype {t.dtype}"
-    text = repr(t)
-    return f"a {type(t).__name__}: {text[:80] + '...' if len(text) > 80 else text}"
-
-
 def _fail(context: str, name: str, value: Any, expected: str) -> UnsupportedInputError:
     return UnsupportedInputError(f"{context}: argument {name!r} ({describe(value)}) {expected}")
-
-
-def _check_tensor(context: str, name: str, t: Any) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise _fail(context, name, t, "must be a torch.Tensor of shape (batch, heads, seq, head_dim)")
-    if t.layout != torch.strided:
-        raise _fail(context, name, t, f"must be a dense (strided) tensor, not {t.layout}")
-    if t.dim() != 4:
-        raise _fail(context, name, t, f"must be 4-D (batch, heads, seq, head_dim), got {t.dim()}-D")
-    if not t.dtype.is_floating_point:
-        raise _fail(context, name, t, "must have a floating-point dtype")
-    return t
-
-
-def check_qkv(q: Any, k: Any, v: Any | None, seq: Any, *, context: str = "attention") -> None:
-    """Raise :class:`UnsupportedInputError` unless q (B, Hq, Sq, D), start-aligned k and v
-    (B, Hkv, Sk, D) and ``seq`` describe one non-empty attention call on one device.
-
-    ``v`` may be ``None`` (layout construction sees only q and k).
-    """
-    from elasticfw.attention.seq import SeqInfo
-
-    q = _check_tensor(context, "q", q)
-    k = _check_tensor(context, "k", k)
-    if v is not None:
-        v = _check_tensor(context, "v", v)
-    if not isinstance(seq, SeqInfo):
-        raise _fail(context, "seq", seq, "must be an elasticfw.attention.seq.SeqInfo")
-
-    batch, hq, sq, dim = q.shape
-    if min(q.shape) == 0:
-        raise _fail(context, "q", q, "must be non-empty: batch, query heads, query rows and head_dim all >= 1")
-    if min(k.shape) == 0:
-        raise _fail(context, "k", k, "must be non-empty: batch, kv heads, keys and head_dim all >= 1")
-    for name, t in (("k", k), ("v", v)):
-        if t is None:
-            continue
-        if t.device != q.device:
-            raise _fail(context, name, t, f"must be on the device of q ({q.device})")
-        if t.dtype != q.dtype:
-            raise _fail(context, name, t, f"must have the dtype of q ({q.dtype})")
-    if v is not None and v.shape != k.shape:
-        raise _fail(context, "v", v, f"must have the shape of k {tuple(k.shape)}")
-    if k.shape[0] != batch:
-        raise _fail(context, "k", k, f"must have the batch size of q ({batch})")
-    if k.shape[3] != dim:
-        raise _fail(context, "k", k, f"must have the head_dim of q ({dim})")
-    if hq % k.shape[1] != 0:
-        expected = f"must have a number of KV heads ({k.shape[1]}) that divides the query heads of q ({hq}) (GQA)"
-        raise _fail(context, "k", k, expected)
-
-    if seq.device != q.device:
-        raise UnsupportedInputError(
-            f"{context}: argument 'seq' (q_start and kv_len on device {seq.device}) must be on the device of q "
-            f"({q.device})"
-        )
-    if seq.batch != batch or seq.q_len != sq or seq.kv_capacity != k.shape[2]:
-        raise UnsupportedInputError(
-            f"{context}: argument 'seq' (batch {seq.batch}, q_len {seq.q_len}, kv_capacity {seq.kv_capacity}) "
-            f"must match q ({describe(q)}) and k ({describe(k)}): batch {batch}, q_len {sq}, "
-            f"kv_capacity {k.shape[2]}"
-        )
 
 
 def check_scale(scale: Any, *, context: str = "attention") -> None:
@@ -135,8 +66,6 @@ def check_scale(scale: Any, *, context: str = "attention") -> None:
 def check_layout(layout: Any, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo, *, context: str = "attention") -> None:
     """Raise unless ``layout`` is a :class:`BlockLayout` over ``seq``'s block grid with 1, Hkv or
     Hq heads and a batch of 1 or B, on the device of q. Call after :func:`check_qkv`."""
-    from elasticfw.attention.layout import BlockLayout
-
     if not isinstance(layout, BlockLayout):
         raise _fail(context, "layout", layout, "must be an elasticfw.attention.layout.BlockLayout")
     blocks = layout.blocks

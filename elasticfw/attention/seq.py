@@ -12,6 +12,9 @@ Canonical coordinates (what modes, layouts and executors see):
 * Causality is ``j <= position``. Block ``n`` of size ``bs`` covers positions / key indices
   ``[n*bs, (n+1)*bs)``, for queries and keys alike, so a block layout's query-block ``t`` of
   sample ``b`` is position block ``q_start[b] // bs + t``.
+
+:func:`check_qkv` checks q, k and v against a ``SeqInfo`` (:meth:`SeqInfo.check` uses it; the rest
+of the input checks, built on it, are in :mod:`elasticfw.attention.inputs`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import numbers
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -191,7 +195,78 @@ class SeqInfo:
 
     def check(self, q: torch.Tensor, k: torch.Tensor) -> None:
         """Raise if ``q`` (B,Hq,Sq,D) / ``k`` (B,Hkv,Sk,D) do not fit this SeqInfo
-        (see :func:`elasticfw.attention.inputs.check_qkv`)."""
-        from elasticfw.attention.inputs import check_qkv
-
+        (see :func:`check_qkv`)."""
         check_qkv(q, k, None, self, context="SeqInfo.check")
+
+
+# -- the check of q, k and v against a SeqInfo (re-exported by elasticfw.attention.inputs) ----------
+def describe(t: Any) -> str:
+    """``shape (..), device .., dtype ..`` of a tensor, or the type and repr of anything else."""
+    if isinstance(t, torch.Tensor):
+        return f"shape {tuple(t.shape)}, device {t.device}, dtype {t.dtype}"
+    text = repr(t)
+    return f"a {type(t).__name__}: {text[:80] + '...' if len(text) > 80 else text}"
+
+
+def _fail(context: str, name: str, value: Any, expected: str) -> UnsupportedInputError:
+    return UnsupportedInputError(f"{context}: argument {name!r} ({describe(value)}) {expected}")
+
+
+def _check_tensor(context: str, name: str, t: Any) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise _fail(context, name, t, "must be a torch.Tensor of shape (batch, heads, seq, head_dim)")
+    if t.layout != torch.strided:
+        raise _fail(context, name, t, f"must be a dense (strided) tensor, not {t.layout}")
+    if t.dim() != 4:
+        raise _fail(context, name, t, f"must be 4-D (batch, heads, seq, head_dim), got {t.dim()}-D")
+    if not t.dtype.is_floating_point:
+        raise _fail(context, name, t, "must have a floating-point dtype")
+    return t
+
+
+def check_qkv(q: Any, k: Any, v: Any | None, seq: Any, *, context: str = "attention") -> None:
+    """Raise :class:`UnsupportedInputError` unless q (B, Hq, Sq, D), start-aligned k and v
+    (B, Hkv, Sk, D) and ``seq`` describe one non-empty attention call on one device.
+
+    ``v`` may be ``None`` (layout construction sees only q and k).
+    """
+    q = _check_tensor(context, "q", q)
+    k = _check_tensor(context, "k", k)
+    if v is not None:
+        v = _check_tensor(context, "v", v)
+    if not isinstance(seq, SeqInfo):
+        raise _fail(context, "seq", seq, "must be an elasticfw.attention.seq.SeqInfo")
+
+    batch, hq, sq, dim = q.shape
+    if min(q.shape) == 0:
+        raise _fail(context, "q", q, "must be non-empty: batch, query heads, query rows and head_dim all >= 1")
+    if min(k.shape) == 0:
+        raise _fail(context, "k", k, "must be non-empty: batch, kv heads, keys and head_dim all >= 1")
+    for name, t in (("k", k), ("v", v)):
+        if t is None:
+            continue
+        if t.device != q.device:
+            raise _fail(context, name, t, f"must be on the device of q ({q.device})")
+        if t.dtype != q.dtype:
+            raise _fail(context, name, t, f"must have the dtype of q ({q.dtype})")
+    if v is not None and v.shape != k.shape:
+        raise _fail(context, "v", v, f"must have the shape of k {tuple(k.shape)}")
+    if k.shape[0] != batch:
+        raise _fail(context, "k", k, f"must have the batch size of q ({batch})")
+    if k.shape[3] != dim:
+        raise _fail(context, "k", k, f"must have the head_dim of q ({dim})")
+    if hq % k.shape[1] != 0:
+        expected = f"must have a number of KV heads ({k.shape[1]}) that divides the query heads of q ({hq}) (GQA)"
+        raise _fail(context, "k", k, expected)
+
+    if seq.device != q.device:
+        raise UnsupportedInputError(
+            f"{context}: argument 'seq' (q_start and kv_len on device {seq.device}) must be on the device of q "
+            f"({q.device})"
+        )
+    if seq.batch != batch or seq.q_len != sq or seq.kv_capacity != k.shape[2]:
+        raise UnsupportedInputError(
+            f"{context}: argument 'seq' (batch {seq.batch}, q_len {seq.q_len}, kv_capacity {seq.kv_capacity}) "
+            f"must match q ({describe(q)}) and k ({describe(k)}): batch {batch}, q_len {sq}, "
+            f"kv_capacity {k.shape[2]}"
+        )
