@@ -59,7 +59,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from elasticfw.errors import RecipeError, suggest
-from elasticfw.recipe.schema import PLUGIN_FIELDS
+from elasticfw.recipe.sections import PLUGIN_FIELDS, merge_sections  # both also importable from here
 from elasticfw.recipe.yaml_files import (
     MAX_BASE_CHAIN,
     MAX_BASE_FILES,
@@ -85,19 +85,6 @@ RECIPE_PATH_ENV = "ELASTICFW_RECIPE_PATH"
 SHIPPED_PREFIX = "elasticfw:"
 """Prefix of a recipe path that names a recipe shipped inside the installed package."""
 _OVERRIDE = re.compile(r"^(?P<key>[A-Za-z_][A-Za-z0-9_\-]*(\.[A-Za-z0-9_\-]+)*)=(?P<value>.*)$", re.S)
-
-
-def merge_sections(base: Any, override: Any, key: str | None = None) -> Any:
-    """Deep merge where a plugin section (``key`` in :data:`PLUGIN_FIELDS`) naming a different
-    plugin replaces the base section. Other sections with a ``name`` (``model:``) merge."""
-    if isinstance(base, dict) and isinstance(override, dict):
-        if key in PLUGIN_FIELDS and "name" in override and "name" in base and override["name"] != base["name"]:
-            return dict(override)
-        merged = dict(base)
-        for k, value in override.items():
-            merged[k] = merge_sections(base[k], value, k) if k in base else value
-        return merged
-    return override
 
 
 def shipped_recipes_dir() -> Path:

@@ -25,18 +25,10 @@ from pydantic import (
 )
 
 from elasticfw.errors import suggest
+from elasticfw.recipe.sections import PLUGIN_FIELDS, merge_sections  # PLUGIN_FIELDS also importable from here
 from elasticfw.recipe.sweep_section import SweepSettings
 from elasticfw.recipe.train_section import Target, TrainSettings, check_target
 from elasticfw.registry import Registry, get_registry
-
-#: recipe field name → plugin kind, for error messages
-PLUGIN_FIELDS = {
-    "retrieval_mode": "sparse_mode",
-    "sparse_mode": "sparse_mode",
-    "router": "router",
-    "executor": "executor",
-    "task": "task",
-}
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
@@ -381,8 +373,6 @@ def merge_variants(data: Any) -> Any:
     plugin section of the variant that names its plugin (``router: {name: fixed, ...}``) is taken
     whole: it does not inherit the recipe's keys for that plugin, which the user did not write
     there. One without ``name`` changes keys of the recipe's section."""
-    from elasticfw.recipe.loader import merge_sections
-
     if not isinstance(data, dict) or not isinstance(data.get("compare"), list):
         return data
     base = data.get("elastic") or {}
