@@ -40,8 +40,7 @@ outputs: the work lists, dense or, above
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import replace
 
 import torch
 import triton
@@ -58,11 +57,20 @@ from elasticfw.kernels import (
     shared_memory_limit,
     unsupported_tensor,
 )
-
-if TYPE_CHECKING:  # the planning module imports this one: plan_work is imported where it is called
-    from elasticfw.kernels.work_lists import WorkPlan
+from elasticfw.kernels import work_lists as planning  # planning.plan_work: looked up at each call
+from elasticfw.kernels.block_sparse_tiles import (  # the tiles: also importable from here
+    DEFAULT_TILES,
+    SMALL_TILES,
+    Tiles,
+    _chunk_size,
+    default_tiles,
+    flag_table,
+)
+from elasticfw.kernels.work_lists import WorkPlan
 
 __all__ = [
+    "DEFAULT_TILES",
+    "SMALL_TILES",
     "Tiles",
     "block_layout_attention",
     "check_inputs",
@@ -80,49 +88,6 @@ __all__ = [
 
 MAX_HEAD_DIM = 256
 _LOG2E = 1.4426950408889634
-
-
-@dataclass(frozen=True)
-class Tiles:
-    """The kernel's launch configuration: ``block_m`` query rows per program, key chunks of up to
-    ``block_n`` keys (lowered to the largest power of two dividing the group size), warps, stages."""
-
-    block_m: int = 128
-    block_n: int = 128
-    num_warps: int = 8
-    num_stages: int = 3
-
-    def __post_init__(self) -> None:
-        for name in ("block_m", "block_n"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"Tiles.{name} must be a power of two >= 16, got {value}")
-        if self.num_warps < 1 or self.num_stages < 1:
-            raise ValueError(f"Tiles: num_warps and num_stages must be positive, got {self.num_warps}, {self.num_stages}")
-
-
-#: the defaults, the fastest measured on an H200 (bf16, head dim 128, 128-token blocks at 128K, full
-#: density; without TMA: 128 x 128 x 8 warps x 3 stages 334 ms, 128 x 64 391 ms, 64 x 64 390 ms, 128 x 64
-#: x 4 warps 489 ms, results/bench/issue10-s5/density.json; with TMA: 301 ms, 128 x 64 361 ms, 128 x 64 x 4
-#: warps x 4 stages 380 ms, results/bench/issue10-s6/variants/kernel_options.json). Groups of 64 keys
-#: (64-token block layouts) take :data:`SMALL_TILES` instead (:func:`default_tiles`).
-DEFAULT_TILES = Tiles()
-#: the configuration for 64-key chunks (key groups of 64: the paper's 64-token block layouts): 64-row
-#: tiles, so that a tile covers one layout row and visits only what that row selects, not the union of
-#: two rows. On an H200 at 128K (structured inputs, results/bench/issue10-s9/variants/tiles64.json) the
-#: XAttention, NSA and streaming layouts of 64-token blocks took 69.3 / 42.1 / 12.5 ms with 64 x 64 x
-#: 4 warps x 2 stages against 85.4 / 52.1 / 14.5 with the defaults (128-row tiles over 64-key chunks;
-#: 3 stages 70.4 / 42.4 / 12.6, 8 warps 138.1 / 90.7 / 26.7).
-SMALL_TILES = Tiles(block_m=64, block_n=64, num_warps=4, num_stages=2)
-
-
-def default_tiles(selection: RowSelection) -> Tiles:
-    """The launch configuration a call without ``tiles`` uses for ``selection``: :data:`SMALL_TILES`
-    where its key groups are read in 64-key chunks (groups of 64, 192, ...: a multiple of 64 but not
-    of 128), :data:`DEFAULT_TILES` otherwise."""
-    if _chunk_size(selection.group_size, DEFAULT_TILES.block_n) == SMALL_TILES.block_n:
-        return SMALL_TILES
-    return DEFAULT_TILES
 
 
 #: shared memory Triton holds beyond :func:`pipeline_bytes` (measured on an H100: 459,776 bytes asked
@@ -186,13 +151,6 @@ def planned_tiles(tiles: Tiles, q: torch.Tensor) -> Tiles:
     return fitted if block_n == fitted.block_n else replace(fitted, block_n=block_n)
 
 
-def flag_table(selected: torch.Tensor, batch: int) -> torch.Tensor:
-    """A selection's flags as the kernels read them: bytes (a bool table viewed in place), and one
-    table for every sample expanded over the batch (stride 0, no copy)."""
-    flags = selected.view(torch.uint8) if selected.dtype == torch.bool else selected
-    return flags.expand(batch, *flags.shape[1:]) if flags.shape[0] != batch else flags
-
-
 def unsupported(q: torch.Tensor) -> str | None:
     """``None`` when the kernel can attend for ``q`` (B, Hq, Sq, D), else why not."""
     reason = unsupported_tensor(q, "Triton block-sparse kernel")
@@ -207,16 +165,6 @@ def unsupported(q: torch.Tensor) -> str | None:
         if need + SMEM_SLACK > limit:
             return (f"head_dim {q.shape[-1]} in {q.dtype} needs {need + SMEM_SLACK} bytes of shared memory at the "
                     f"smallest tiles, above this GPU's {limit} per block")
-    return None
-
-
-def _chunk_size(group_size: int, block_n: int) -> int | None:
-    """The key chunk: the largest power of two <= ``block_n`` dividing ``group_size`` (>= 16), or None."""
-    n = block_n
-    while n >= 16:
-        if group_size % n == 0:
-            return n
-        n //= 2
     return None
 
 
@@ -500,10 +448,8 @@ def _attend(
     if batch * hq * q_len == 0:
         return out, lse
     if plan is None:
-        from elasticfw.kernels.work_lists import plan_work
-
         tiles = planned_tiles(tiles, q)
-        plan = plan_work(selection, seq, tiles)
+        plan = planning.plan_work(selection, seq, tiles)
     elif plan.block_m != tiles.block_m or plan.clean_count.shape != (batch, sel.shape[1], cdiv(q_len, plan.block_m)):
         raise ValueError(
             f"{caller}: the work plan is for {plan.block_m}-row tiles and counts of shape "

@@ -50,7 +50,7 @@ from elasticfw.attention.layout import RowSelection, index_lists
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
 from elasticfw.kernels import cdiv
-from elasticfw.kernels.block_sparse_attention import Tiles, _chunk_size, default_tiles, flag_table
+from elasticfw.kernels.block_sparse_tiles import Tiles, _chunk_size, default_tiles, flag_table
 
 __all__ = [
     "WorkPlan",
