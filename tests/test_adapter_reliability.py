@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from training_helpers import TINY_ELASTIC, training_registry
 
 from elasticfw.errors import CheckpointError, ElasticError
-from elasticfw.model import checkpoint
+from elasticfw.model import adapter_files
 from elasticfw.model.checkpoint import CONFIG, WEIGHTS, load_adapter, save_adapter
 from elasticfw.model.elastic import ElasticModel
 from elasticfw.recipe import validate_recipe_data
@@ -373,9 +373,9 @@ def test_an_interrupted_save_leaves_the_old_adapter_and_no_temp_folder(registry,
         raise Interrupted("killed")
 
     if where == "weights":
-        monkeypatch.setattr(checkpoint, "save_file", half_written_weights)
+        monkeypatch.setattr(adapter_files, "save_file", half_written_weights)
     else:
-        monkeypatch.setattr(checkpoint, "atomic_write_text", failing_config)
+        monkeypatch.setattr(adapter_files, "atomic_write_text", failing_config)
     with pytest.raises(Interrupted):
         save_adapter(elastic, target, overwrite=True)
     assert snapshot(folder) == before

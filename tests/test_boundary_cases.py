@@ -248,7 +248,7 @@ def test_a_failed_save_whose_folder_is_already_gone_raises_its_own_error(tmp_pat
     (here the write removed its own temporary folder before failing: the cleanup finds nothing)."""
     import shutil
 
-    import elasticfw.model.checkpoint as checkpoint
+    import elasticfw.model.adapter_files as adapter_files
 
     section = validate_recipe_data(
         {"elastic": {"retrieval_mode": {"name": "full", "block_size": 16},
@@ -261,7 +261,7 @@ def test_a_failed_save_whose_folder_is_already_gone_raises_its_own_error(tmp_pat
         shutil.rmtree(Path(path).parent)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "save_file", failing_save)
+    monkeypatch.setattr(adapter_files, "save_file", failing_save)
     with pytest.raises(OSError, match="No space left"):
         save_adapter(elastic, tmp_path / "a")
     assert not (tmp_path / "a").exists() and list(tmp_path.iterdir()) == []

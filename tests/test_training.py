@@ -332,7 +332,7 @@ def test_checkpoint_write_is_atomic_on_crash(registry, tmp_path, monkeypatch):
         return real(tensors, path)
 
     monkeypatch.setattr(state, "save_file", crash_second)
-    monkeypatch.setattr("elasticfw.model.checkpoint.save_file", crash_second)
+    monkeypatch.setattr("elasticfw.model.adapter_files.save_file", crash_second)
     with pytest.raises(OSError):
         train_router(elastic, mixture, recipe.train, tmp_path, seed=0, pad_id=0, progress=False)
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-000002"

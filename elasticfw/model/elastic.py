@@ -20,6 +20,7 @@ from torch import nn
 
 from elasticfw.errors import ElasticError, UnsupportedInputError
 from elasticfw.model.adapter import BackboneAdapter
+from elasticfw.model.adapter_files import save_adapter
 from elasticfw.model.bridge import BINDING_ATTR, IMPLEMENTATION, register_implementation
 from elasticfw.model.runtime import ElasticRuntime, LayerBinding
 from elasticfw.registry import Registry, get_registry
@@ -355,7 +356,5 @@ class ElasticModel(nn.Module):
 
     # -- adapters on disk ------------------------------------------------------------------------
     def save_adapter(self, path: str | Path, *, overwrite: bool = False) -> Path:
-        """Write the router as an adapter folder (see :func:`elasticfw.model.checkpoint.save_adapter`)."""
-        from elasticfw.model.checkpoint import save_adapter
-
+        """Write the router as an adapter folder (see :func:`elasticfw.model.adapter_files.save_adapter`)."""
         return save_adapter(self, path, overwrite=overwrite)
