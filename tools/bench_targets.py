@@ -1,9 +1,9 @@
-"""Issue 10's figures in one command: the GPU benchmarks, the CPU demo timing, then targets.json.
+"""The speed targets' figures in one command: the GPU benchmarks, the CPU demo timing, then targets.json.
 
-    python tools/bench_targets.py gpu --out results/bench/issue10          # on one H200, about 8-10 min
+    python tools/bench_targets.py gpu --out results/bench/speed-targets       # on one H200, about 8-10 min
     python tools/bench_targets.py gpu --steps attention --out ...          # or one step per call
-    python tools/bench_targets.py demo-cpu --out results/bench/issue10     # on a 2-core CPU, about 7 min
-    python tools/bench_targets.py targets --out results/bench/issue10      # targets.json from the JSONs there
+    python tools/bench_targets.py demo-cpu --out results/bench/speed-targets  # on a 2-core CPU, about 7 min
+    python tools/bench_targets.py targets --out results/bench/speed-targets   # targets.json from the JSONs there
 
 ``gpu`` runs, each in its own process (one crash does not lose the others) and each writing its
 JSON under ``--out`` as it goes:
@@ -28,7 +28,7 @@ JSON under ``--out`` as it goes:
    --prefill-executor split --decode-executor split --profile``: decode step time and KV-cache memory
    at 32K and 128K context, dense vs FA-SSA with the full and the compact cache (4 layers), and a
    ``torch.profiler`` table of three more steps per variant (where a step's GPU time goes; the
-   steps are host-bound, ``results/bench/issue10-s19/README.md``).
+   steps are host-bound, ``results/bench/speed-targets-2026-12-06/README.md``).
 
 5. ``density.json`` — ``python -m elasticfw.bench.density --seq 131072 --tiles 128,128,8,2
    --triton 128,128,8,3 128,64,8,3``: FlexAttention and the Triton block-sparse kernel on random
@@ -63,14 +63,14 @@ Before them ``--steps gpu-tests`` runs the GPU tests of the kernels (``pytest -m
 
 then ``targets`` when one of the steps that give its figures ran (``attention``, ``router``,
 ``prefill``, ``density``; a call of ``--steps gpu-tests`` alone writes no ``targets.json`` of
-missing figures). ``demo-cpu`` times the old CPU demo (``results/demo-cpu.json``: ``elasticfw
+missing figures). ``demo-cpu`` times the old CPU demo (``results/bench/demo-executors/demo-cpu.json``: ``elasticfw
 compare`` on the embedded SmolLM2-135M, passkey at 1,440 tokens, 20 samples, batch 4, 8 new tokens;
 full attention vs every head streaming with sink 64 / local 256), ``--executor`` (default
 ``split``, the old file used ``sdpa``), into ``demo_cpu.json``: after one untimed sample through
 every variant, ``--rounds`` (default 4) runs of each variant, the first variant alternating between rounds, seconds summed over the rounds (each
 round's in ``round_seconds``: on the 2-core machine single rounds of unchanged code gave ratios
 from 0.75 to 1.08, and two-round runs 0.81 to 0.95; the first four-round run's rounds gave 0.90 to
-0.93, ``results/bench/issue10-s23/``); ``--modes xattention moba
+0.93, ``results/bench/speed-targets-h100-2026-12-07/``); ``--modes xattention moba
 nsa`` adds every head in each of those modes (``over_full``: each variant's seconds over full's).
 ``targets`` reads every JSON under
 ``--out`` (:func:`elasticfw.bench.targets.build_targets`) and writes ``targets.json``: copy a
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("gpu", help="the GPU benchmarks, then targets.json")
-    g.add_argument("--out", type=Path, default=Path("results/bench/issue10"))
+    g.add_argument("--out", type=Path, default=Path("results/bench/speed-targets"))
     g.add_argument("--layers", type=int, default=4, help="decoder layers of the model prefill (of 32)")
     g.add_argument("--with-qwen", action="store_true", help="also the Qwen3-8B shape in the prefill benchmark")
     g.add_argument("--steps", nargs="+", choices=["gpu-tests", "attention", "router", "prefill", "decode", "density", "variants", "kernels",
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="which benchmarks to run (one call each when a command has a time limit)")
     g.set_defaults(func=gpu)
     d = sub.add_parser("demo-cpu", help="the CPU demo timing (full vs all-streaming) into demo_cpu.json")
-    d.add_argument("--out", type=Path, default=Path("results/bench/issue10"))
+    d.add_argument("--out", type=Path, default=Path("results/bench/speed-targets"))
     d.add_argument("--name", default="demo_cpu.json")
     d.add_argument("--executor", default="split")
     d.add_argument("--samples", type=int, default=20)
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="also every head in each of these sparse modes (their defaults, 64-token blocks): all-<mode>")
     d.set_defaults(func=demo_cpu)
     t = sub.add_parser("targets", help="targets.json from the JSONs under --out")
-    t.add_argument("--out", type=Path, default=Path("results/bench/issue10"))
+    t.add_argument("--out", type=Path, default=Path("results/bench/speed-targets"))
     t.set_defaults(func=targets)
     args = p.parse_args(argv)
     return int(args.func(args))

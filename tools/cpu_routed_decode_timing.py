@@ -1,7 +1,7 @@
 """One routed layer's decode step through the split executor on the CPU: one masked SDPA call
 against two calls (the dense heads, then the streaming heads over their own keys), and dense SDPA.
 
-    python tools/cpu_routed_decode_timing.py --json results/bench/cpu_routed_decode.json
+    python tools/cpu_routed_decode_timing.py --json results/bench/routed-decode-masked-call/cpu_routed_decode.json
 
 At the default model's attention shape (SmolLM2-135M: 9 query heads, 3 KV heads, head dim 64,
 float32), one query per sample at the last of S keys (``SeqInfo.dense``: no padding), KV head 0

@@ -1,6 +1,6 @@
 """Where the ``mlp`` router's inference time goes: the host's code, Triton's launch, the GPU kernel.
 
-    python tools/router_timing.py --json results/bench/router_timing.json      # on a GPU
+    python tools/router_timing.py --json results/bench/NAME/router_timing.json      # on a GPU
     python tools/router_timing.py --device cpu --no-launch --layers 4           # host code only, any machine
 
 At the Llama-3.1-8B shape (``--layers`` routed layers, 8 KV heads, head dim 128, B 1, bf16 keys of

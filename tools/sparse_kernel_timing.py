@@ -1,6 +1,6 @@
 """Where the Triton sparse-attention kernels spend their time, per mode, on a CUDA device.
 
-    python tools/sparse_kernel_timing.py --json results/bench/kernel_timing.json      # 128K, Llama-3.1-8B shape
+    python tools/sparse_kernel_timing.py --json results/bench/NAME/kernel_timing.json      # 128K, Llama-3.1-8B shape
     python tools/sparse_kernel_timing.py --tokens 32768 --modes moba --profile
 
 For each mode's default layout on the attention benchmark's structured q/k (XAttention, NSA,

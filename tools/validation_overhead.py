@@ -1,7 +1,7 @@
 """What the attention input checks cost on a GPU: prefill and decode of an elastic model with the
 checks as shipped vs patched out, in the same process.
 
-    python tools/validation_overhead.py --out results/bench/validation_overhead_h200.json
+    python tools/validation_overhead.py --out results/bench/validation-overhead/validation_overhead_h200.json
 
 The model is SmolLM2-135M's shape (30 layers, 9 query / 3 KV heads, d=64) with random weights
 (no download), FA-SSA with a random MLP router on the `sdpa` executor, bf16, batch 1. Every

@@ -1,7 +1,7 @@
 """Attention kernel benchmark: dense SDPA baselines vs the `flex` executor on every registered mode.
 
-    python -m elasticfw.bench.attention --out results/attention_bench.json
-    python -m elasticfw.bench.attention --out results/layout_memory.json --seq --layout-memory 131072
+    python -m elasticfw.bench.attention --out results/bench/NAME/attention_bench.json
+    python -m elasticfw.bench.attention --out results/bench/layout-memory/layout_memory_128k.json --seq --layout-memory 131072
     python -m elasticfw.bench.attention --device cpu --seq 256 --q-heads 4 --kv-heads 2 --head-dim 16 \\
         --out /tmp/bench.json                                   # smoke run on CPU
 

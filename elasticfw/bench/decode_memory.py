@@ -1,6 +1,6 @@
 """Decode memory and step time: the compact KV cache vs the full one vs dense attention.
 
-    python -m elasticfw.bench.decode_memory --out results/bench/decode_memory_h200.json
+    python -m elasticfw.bench.decode_memory --out results/bench/decode-memory/decode_memory_h200.json
     python -m elasticfw.bench.decode_memory --device cpu --contexts 256 --layers 2 --hidden 64 \\
         --heads 4 --kv-heads 2 --head-dim 16 --intermediate 128 --vocab 256 --sink 16 --local 32 \\
         --block 16 --steps 3 --warmup 1 --out /tmp/decode_memory.json      # smoke run on CPU
@@ -131,7 +131,7 @@ def elastic_section(args: argparse.Namespace, msr: float, kv_cache: str, executo
 #: SDPA backends for the decode steps (``--decode-sdpa``). Measured on an H200 (torch 2.11, cuDNN
 #: 9.19): cuDNN's attention builds an execution plan for every new key length, about 9 ms of host
 #: time per call, so a decode step through it costs ~40-60 ms whatever the context; the others do not
-#: (``results/bench/decode-memory.md``). Every variant, dense included, decodes with the same list.
+#: (``results/bench/decode-memory/README.md``). Every variant, dense included, decodes with the same list.
 SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
                  "math": "MATH"}
 

@@ -1,6 +1,6 @@
 """How the block-sparse kernel's time scales with the blocks it computes (issue 10's kernel criteria).
 
-    python -m elasticfw.bench.density --out results/bench/density.json                 # one GPU
+    python -m elasticfw.bench.density --out results/bench/NAME/density.json               # one GPU
     python -m elasticfw.bench.density --seq 32768 --tiles 128,64,4,3 128,128,8,2 --out ...
     python -m elasticfw.bench.density --device cpu --seq 512 --q-heads 4 --kv-heads 2 --head-dim 16 --out /tmp/d.json
 

@@ -1,6 +1,6 @@
 """Model-level prefill benchmark: time to first token of a full-size shape with random weights.
 
-    elasticfw bench prefill --out results/bench/prefill_h200.json                      # GPU, all shapes
+    elasticfw bench prefill --out results/bench/NAME/prefill.json                      # GPU, all shapes
     elasticfw bench prefill --model llama-3.1-8b --seq 32768 131072 --layers 4 --out ...
     elasticfw bench prefill --device cpu --model tiny-llama --seq 256 --out /tmp/p.json   # smoke run
 

@@ -1,6 +1,6 @@
 """Router overhead at inference: boundary pooling + task MLP + router MLP for every layer.
 
-    python -m elasticfw.bench.router --out results/router_overhead.json
+    python -m elasticfw.bench.router --out results/bench/NAME/router.json
     python -m elasticfw.bench.router --device cpu --seq 1024 --layers 2 --out /tmp/router.json  # smoke
 
 Default shape: Llama-3.1-8B (32 layers, 8 KV heads, 32 query heads, head dim 128), B=1, bf16 key

@@ -1,6 +1,6 @@
-"""Issue 10's speed figures and their targets, computed from benchmark JSONs.
+"""The speed targets' figures (``results/bench/targets.json``), computed from benchmark JSONs.
 
-    elasticfw bench targets results/bench/issue10        # writes results/bench/issue10/targets.json
+    elasticfw bench targets results/bench/speed-targets --out results/bench/targets.json
 
 :func:`build_targets` is a pure function: it takes the loaded JSONs (file name -> content) of one
 run and returns one ``{"figure", "value", "target", "met", "source"}`` per figure of the issue's
@@ -24,7 +24,7 @@ recognised by its content:
 * ``elasticfw.bench.density``: the block-sparse kernel's two criteria at 128K from its
   ``criteria`` list (50% density / own 100%, 100% density / cuDNN).
 * the CPU demo (``"benchmark": "demo_cpu"``, or any JSON with ``rows`` labelled ``full`` and
-  ``all-streaming`` holding ``seconds``, as ``results/demo-cpu.json``): all-streaming / full time.
+  ``all-streaming`` holding ``seconds``, as ``results/bench/demo-executors/demo-cpu.json``): all-streaming / full time.
 
 A figure whose JSON or row is missing (or errored) gets ``value: null`` and ``met: false``; so does
 a figure of a run whose setup is not the table's (:func:`setup_mismatch`: the Llama-3.1-8B attention
@@ -301,7 +301,7 @@ def unfinished(data: dict[str, Any]) -> str | None:
 
 def build_targets(jsons: dict[str, Any]) -> list[dict[str, Any]]:
     """One ``{"figure", "value", "target", "met", "source", "gpu", "git_commit"}`` (and ``note`` where
-    a figure is not met for a reason other than its value) per figure of issue 10's table, from
+    a figure is not met for a reason other than its value) per figure of the speed-target table, from
     ``jsons`` (source name -> loaded JSON). When two JSONs of one kind and of the table's setup hold
     a value, the later run wins (``environment.date``; undated JSONs count as earliest, by name), and
     the entry names the others in ``superseded``. A run that did not finish (:func:`unfinished`)

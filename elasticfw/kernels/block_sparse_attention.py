@@ -29,7 +29,7 @@ and values head ``h // (Hq / Hkv)`` (GQA without copying K/V). That covers:
   interpreter; :data:`USE_TMA`), masked chunks through pointers clamped below ``kv_len``; a
   head's tiles run last first (:data:`REVERSE_TILES`). On an H200 at 128K (all causal 128-blocks,
   Hq 32 / Hkv 8, d 128) TMA took the kernel from 329.5 to 301.2 ms and the reversed order half
-  the blocks from 162.0 to 148.8 (``results/bench/issue10-s6/variants/kernel_options.json``).
+  the blocks from 162.0 to 148.8 (``results/bench/block-sparse-kernel-options/kernel_options.json``).
 
 Forward only (no autograd): the flex executor uses it for inference calls with ``sparse_kernel``
 ``triton`` (or ``auto`` on CUDA), FlexAttention otherwise. Memory beyond the inputs and the
@@ -324,7 +324,7 @@ def _block_sparse_kernel(
         ok = seen_pair & (kpos[None, :] <= pos[:, None]) & (kpos[None, :] < kv_len)
         # pointers, rows clamped below kv_len: never a key of unwritten cache memory (p = 0 times a
         # NaN there would still be NaN); zeroing such values after a TMA load cost more (per-token MoBA
-        # 224.7 ms against 185.4, results/bench/issue10-s6/variants/kernel_options.json)
+        # 224.7 ms against 185.4, results/bench/block-sparse-kernel-options/kernel_options.json)
         kt = load_rows(k_base, tl.minimum(kpos, kv_len - 1), stride_ks, stride_kd, d, d_ok, EVEN_D)
         vt = load_rows(v_base, tl.minimum(kpos, kv_len - 1), stride_vs, stride_vd, d, d_ok, EVEN_D)
         acc, m_i, l_i = attend_chunk(acc, m_i, l_i, qv, kt, vt, ok, qk_scale,

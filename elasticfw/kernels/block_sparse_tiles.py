@@ -35,13 +35,13 @@ class Tiles:
 
 #: the defaults, the fastest measured on an H200 (bf16, head dim 128, 128-token blocks at 128K, full
 #: density; without TMA: 128 x 128 x 8 warps x 3 stages 334 ms, 128 x 64 391 ms, 64 x 64 390 ms, 128 x 64
-#: x 4 warps 489 ms, results/bench/issue10-s5/density.json; with TMA: 301 ms, 128 x 64 361 ms, 128 x 64 x 4
-#: warps x 4 stages 380 ms, results/bench/issue10-s6/variants/kernel_options.json). Groups of 64 keys
+#: x 4 warps 489 ms, results/bench/block-sparse-tile-sweep/density.json; with TMA: 301 ms, 128 x 64 361 ms, 128 x 64 x 4
+#: warps x 4 stages 380 ms, results/bench/block-sparse-kernel-options/kernel_options.json). Groups of 64 keys
 #: (64-token block layouts) take :data:`SMALL_TILES` instead (:func:`default_tiles`).
 DEFAULT_TILES = Tiles()
 #: the configuration for 64-key chunks (key groups of 64: the paper's 64-token block layouts): 64-row
 #: tiles, so that a tile covers one layout row and visits only what that row selects, not the union of
-#: two rows. On an H200 at 128K (structured inputs, results/bench/issue10-s9/variants/tiles64.json) the
+#: two rows. On an H200 at 128K (structured inputs, results/bench/block-sparse-64-row-tiles/tiles64.json) the
 #: XAttention, NSA and streaming layouts of 64-token blocks took 69.3 / 42.1 / 12.5 ms with 64 x 64 x
 #: 4 warps x 2 stages against 85.4 / 52.1 / 14.5 with the defaults (128-row tiles over 64-key chunks;
 #: 3 stages 70.4 / 42.4 / 12.6, 8 warps 138.1 / 90.7 / 26.7).

@@ -54,7 +54,7 @@ MAX_BLOCK_N = 64
 MAX_CHUNKS_PER_SPLIT = 256
 #: the chunks a range holds at most by default (2,048 keys at 64-key chunks). Where few heads read
 #: every key (MSR 0.875: one KV head in eight), filling the GPU with programs of *all* heads leaves
-#: the reading heads' programs long and serial: on an H100 at 128K keys (issue10-s19, tools/
+#: the reading heads' programs long and serial: on an H100 at 128K keys (results/bench/decode-kernel-splits/, tools/
 #: decode_host_timing.py --splits) 33 ranges of 63 chunks took 138 us of GPU time a call, 66 ranges of
 #: 32 chunks 91 us (host-bound: the GPU time is below it), 132 and 264 ranges the same
 SPLIT_CHUNKS = 32

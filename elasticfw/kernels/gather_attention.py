@@ -13,9 +13,9 @@ chose it):
   group, row) and cut into tiles of up to ``BLOCK_M`` rows of one (rank, sample, head, group).
   Only one-dimensional scans and one sort of int64 keys that encode the whole entry build them
   (torch's scans along a short last dimension and its ``cummax`` took 24 and 96 ms of a 135 ms
-  plan at 128K on an H200, ``results/bench/issue10-s6/variants/``; gathering six columns by the
+  plan at 128K on an H200, ``results/bench/moba-gather-plan/``; gathering six columns by the
   sort's permutation and a row-count reduction of the table 7 of the 15.8 ms that followed,
-  ``results/bench/issue10-s9/diag/moba_kernel.txt``).
+  ``results/bench/moba-gather-plan/moba_kernel.txt``).
 * **Passes.** One launch per rank ``r`` (at most the largest number of groups a row selects, the
   MoBA ``top_k``): each program gathers its tile's query rows, attends over its group's keys
   (chunks wholly before the tile's first position unmasked, the rest masked by causality and
@@ -33,7 +33,7 @@ chose it):
   At top-k 8 in bfloat16 that writes and reads 2 bytes per entry, head and dimension where the
   passes read and write 4 + 4 per rank (about 18 GB against 35 GB at 128K for 32 heads of 128);
   about 6% faster on an H100 for four times the extra memory (below), so ``passes`` stays the
-  default (``flex.gather_merge``; ``results/bench/issue10-s17/README.md``).
+  default (``flex.gather_merge``; ``results/bench/speed-targets-h100-2026-12-05/README.md``).
 
 The work is exactly the selected pairs (plus the masked part of each row's current group), at
 the cost of gathering the query rows and of one float32 accumulator read and write per selected

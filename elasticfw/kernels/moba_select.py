@@ -47,7 +47,7 @@ common; nothing holds the (B, Hq, Sq, NMB) gates.
 :data:`ROWS_X_BLOCKS` (row slots per step), :data:`MEANS_PER_CHUNK` (the head-dim chunk) and
 :data:`NUM_WARPS` are module constants chosen for the register file, not tuned on a GPU; the
 whole layout at 128K (paper defaults, Hq 32) takes 10.1 ms on one H200
-(``results/bench/issue10-s4/``). :func:`unsupported` says when the kernel cannot run (no Triton on the
+(``results/bench/planners-triton/``). :func:`unsupported` says when the kernel cannot run (no Triton on the
 device, a dtype other than float16 / bfloat16 / float32, more than :data:`MAX_BLOCKS` MoBA
 blocks); callers then use the torch path.
 """

@@ -55,9 +55,9 @@ Hopper (256-row tiles so that a GQA group of 4 at block 64 shares every key tile
 step, 8 warps, 3 stages). On one H200 at 128K (paper defaults, Hq 32 / Hkv 8, bf16) the two
 passes took 53.5 ms (23.6 + 29.3) with 2 stages, the fastest of the four tile configurations timed
 then (128 x 64, 128 x 128 and 256 x 128 took 67.6, 72.7 and 53.8); ``split`` 1 takes 37.3 ms and 3
-63.3 (``results/bench/issue10-s4/planner_timing.log``). 3 stages took them to 49.5 ms against 53.4
+63.3 (``results/bench/planners-triton/planner_timing.log``). 3 stages took them to 49.5 ms against 53.4
 (4 stages 49.8, 512 x 64 with 2 stages 48.1, 128 x 64 with 3 or 4 67.7-69.9; 256 x 128 with 3 does
-not fit Hopper's shared memory; ``results/bench/issue10-s9/diag/nsa_tiles.json``). The public function takes ``block_m`` /
+not fit Hopper's shared memory; ``results/bench/planner-tiles/nsa_tiles.json``). The public function takes ``block_m`` /
 ``block_n`` / ``split`` overrides. :func:`unsupported` says when
 the kernels cannot run (no Triton on the device, a dtype other than float16 / bfloat16 /
 float32, a block above :data:`MAX_BLOCK`, a head dim above :data:`MAX_HEAD_DIM`); callers then

@@ -33,7 +33,7 @@ reusable layout) uses the Triton builders while :data:`TRITON_WORK_LISTS` is on 
 one H200 at 128K (Llama-3.1-8B shape, structured inputs, 64-row tiles) it built XAttention's lists
 in 0.99 ms against torch's 10.0, NSA's in 0.31 against 3.0, MoBA's in 2.9 against 4.8 and
 streaming's in 0.15 against 1.9, entry for entry the same
-(``results/bench/issue10-s10/variants/kernel_timing.json``). It is tested against the definition
+(``results/bench/work-lists-triton/kernel_timing.json``). It is tested against the definition
 under Triton's interpreter and at 32K on a GPU.
 """
 
@@ -67,14 +67,14 @@ CHUNKS = 256
 
 #: the work lists built by one Triton kernel (:func:`work_lists_triton`) instead of in torch
 #: (:func:`work_lists`, the definition it is tested against). On one H200 at 128K with 64-row tiles:
-#: XAttention's lists 0.99 ms against 10.0, NSA's 0.31 against 3.0 (``results/bench/issue10-s10/``)
+#: XAttention's lists 0.99 ms against 10.0, NSA's 0.31 against 3.0 (``results/bench/work-lists-triton/``)
 TRITON_WORK_LISTS = True
 #: :func:`plan_work` builds the compact form of the lists (:class:`WorkPlan`) when the dense form would
 #: take more bytes than this: 2 GiB. On an H200 at 128K (Hq 32 / Hkv 8, d 128, structured q/k) the
 #: compact form's kernel took what the dense one's did (XAttention 59.5 against 59.3 ms, NSA 38.9 /
 #: 38.9, MoBA 183.0 / 183.6, streaming 11.3 / 11.2) for 4-5% of the memory (XAttention 50 MB
 #: against 1,074), but its two-launch plan 0.3-2.5 ms more (XAttention 1.36 against 1.04, MoBA 5.37
-#: against 2.85; ``results/bench/issue10-s12/variants/kernel_timing.json``), so the dense form
+#: against 2.85; ``results/bench/compact-work-lists/kernel_timing.json``), so the dense form
 #: stays wherever its memory is affordable
 COMPACT_LISTS_ABOVE = 2 * 2**30
 

@@ -75,7 +75,7 @@ NUM_WARPS = 8
 #: 128 x 128 tiles, 8 warps, 3 stages: the fastest of nine configurations of the single pass timed on
 #: one H200 at 128K (bf16, d 128, stride 16: 14.1 ms against 20.5 with 2 stages, 15.8 for 128 x 256 /
 #: 2 stages, 17.7 for 256 x 128 / 2 stages and 21-26 for the others;
-#: results/bench/issue10-s9/diag/xattention_tiles.txt). 3 stages of 128 x 128 tiles need 192 KB of
+#: results/bench/planner-tiles/xattention_tiles.txt). 3 stages of 128 x 128 tiles need 192 KB of
 #: shared memory: on a GPU with less (:func:`~elasticfw.kernels.shared_memory_budget`) the tiles shrink.
 NUM_STAGES = 3
 #: 1: :func:`_single_pass_kernel` (scores computed once, per-row block sums kept in a scratch of

@@ -19,7 +19,7 @@ to the lower index, the reference's order):
   * total``, the running sum the sort would give it.
 
 So the kept set is the sorted selection's. (A bitonic-sort kernel took 8.55 ms against 1.24 at
-128K on one H200, ``results/bench/issue10-s4/xa_timing.log``, and was removed.)
+128K on one H200, ``results/bench/planners-triton/xa_timing.log``, and was removed.)
 
 Equal to the torch selector up to float32 rounding of the row total and the running sums
 (summation order): only a block whose running sum lies within rounding of ``threshold * total``

@@ -76,7 +76,7 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 #: largest absolute difference (natural log) of a non-reference executor's log-sum-exp from the
 #: reference's, per input dtype. Both see the same input values and accumulate scores in float32,
 #: so the input dtype hardly matters: measured ~1e-6 for sdpa/flex on CPU and for the compiled
-#: flex kernel in bf16 on an H200 (results/flex_check_h200.json)
+#: flex kernel in bf16 on an H200 (results/bench/flex-check/flex_check_h200.json)
 LSE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-3, torch.float16: 1e-3}
 #: the causality levels a test class may declare (module docstring), strictest first
 CAUSALITY_LEVELS: tuple[str, ...] = ("token", "block", "prompt")

@@ -41,7 +41,7 @@ row, causality, and the layout's token mask. The mask is built as SDPA's *additi
 SDPA would convert a 4-D bool mask into a fresh float tensor itself: on the 2-core CPU machine a
 dense masked layer at the default model's shape (B 4, 9 heads, 1,440 tokens) took 297.8 ms with a
 bool mask against 182.5 with a float mask written into a reused buffer, conversion included
-(``tools/cpu_layer_timing.py --sdpa-masks``, ``results/bench/issue10-s11/cpu_layers.json``). So at
+(``tools/cpu_layer_timing.py --sdpa-masks``, ``results/bench/cpu-layers-sdpa-masks/cpu_layers.json``). So at
 inference the float mask is written into one buffer (:class:`MaskBuffer`) that the executor keeps
 across chunks, layers and calls (autograd calls allocate theirs: their masks are kept for the
 backward pass).
@@ -78,7 +78,7 @@ __all__ = [
 #: pairs the sparse heads' layout drops; above, as two calls (the dense heads, then the sparse
 #: ones over their own keys). On the 2-core CPU machine at the default model's shape (9 / 3 heads,
 #: head dim 64, 6 sparse heads, streaming sink 64 / window 256; ``tools/cpu_routed_decode_timing.py``,
-#: ``results/bench/issue10-s15/cpu_routed_decode.json``): batch 1 at 1,441 keys (6,726 pairs)
+#: ``results/bench/routed-decode-masked-call/cpu_routed_decode.json``): batch 1 at 1,441 keys (6,726 pairs)
 #: 0.21 ms against 0.32 for the two calls (dense 0.13); the two calls slightly ahead at 4,097 keys
 #: (22,662 pairs: 0.44 against 0.41) and at batch 4 and 1,441 keys (26,904: 0.58 against 0.56),
 #: clearly beyond (batch 1 at 8,193 keys: 0.85 against 0.55). (Those pair counts took the last,

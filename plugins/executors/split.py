@@ -521,7 +521,7 @@ class SplitExecutor(Executor):
         """Dense causal attention (GQA without repeating K/V) of a plain prefill (``causal``) or of a
         decode step (one query at the last position: every key, no mask). On CUDA a decode step
         with ``dense_backend: auto`` skips cuDNN, which rebuilds its plan for every new key length
-        (about 9 ms of host time per call on an H200; results/bench/decode-memory.md)."""
+        (about 9 ms of host time per call on an H200; results/bench/decode-memory/README.md)."""
         backend = self.config.dense_backend
         if q.device.type != "cuda":
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)

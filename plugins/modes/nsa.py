@@ -66,7 +66,7 @@ CUDA, or ``triton``) instead runs the fused two-pass kernels of
 :mod:`elasticfw.kernels.nsa_importance` (softmax statistics per row, then the probabilities summed
 per tile and mapped onto key blocks, no score matrix stored; same importances up to float32
 rounding; at 128K on one H200 the layout takes 56.9 ms with it, 0.23x a dense cuDNN layer, against
-546 ms with the torch path, ``results/bench/issue10-s4/``). ``token`` always scores in PyTorch.
+546 ms with the torch path, ``results/bench/planners-triton/``). ``token`` always scores in PyTorch.
 ``block`` keeps one selection per tile: an ``O((S/bs)^2)`` layout per KV head, token-masked only at the window's edges, so block kernels
 run whole tiles. ``token`` ranks the key blocks once per query row instead of once per tile
 (``bs`` times the sorting) and keeps an ``O(S^2 / bs)`` bool table per KV head and sample (16M
