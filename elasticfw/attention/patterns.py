@@ -1,47 +1,18 @@
 """Building blocks of data-dependent modes: estimate where attention goes, then select.
 
-A data-dependent mode (XAttention, MoBA, MInference's vertical-slash, ...) does three things in
-:meth:`~elasticfw.attention.mode.AttentionMode.build_layout`: it *estimates* which keys matter
-from ``q`` and ``k``, *selects* key blocks, key columns or diagonals from that estimate, and
-*converts* the selection into a :class:`~elasticfw.attention.layout.BlockLayout`. This module
-holds the first two steps, :mod:`elasticfw.attention.pattern_layouts` the third. The built-in
-``xattention`` and ``moba`` modes are written with them; so is the tutorial's vertical-slash
-example (``docs/tutorials/write-a-data-dependent-mode.md``).
+A data-dependent mode (XAttention, MoBA, MInference's vertical-slash, ...) *estimates* which keys
+matter from ``q`` and ``k``, *selects* key blocks, columns or diagonals from that estimate
+(:mod:`elasticfw.attention.selectors`, re-exported here: :func:`topk_select`,
+:func:`threshold_select`) and *converts* the selection into a layout
+(:mod:`elasticfw.attention.pattern_layouts`). This module holds the estimators: query-head
+grouping and tile pooling, the last queries' attention (vertical and slash mass), XAttention's
+antidiagonal block mass, NSA's window means and MoBA's gate.
 
-Everything here works in canonical coordinates (:mod:`elasticfw.attention.seq`): keys are
-start-aligned, query row ``i`` of sample ``b`` sits at position ``seq.q_start[b] + i``, rows at or
-past ``seq.kv_len[b]`` are padding. Estimators compute in float32 whatever the input dtype, mask
-causality (key ``j`` reaches the query at position ``p`` iff ``j <= p``) and padding (keys
-``>= kv_len``, padding query rows), take the call's attention ``scale`` (``None``:
-``head_dim ** -0.5``), and give query head ``h`` the keys of KV head ``h // (Hq // Hkv)``.
-
-**Estimators**
-
-* :func:`last_query_attention` — the attention probabilities of each sample's last ``n`` real
-  queries over all keys (MInference's estimate), per query head or shared by a GQA group
-  (:func:`reduce_groups`: sum, mean or max over the group's query heads).
-* :func:`column_mass` / :func:`diagonal_mass` — those probabilities summed per key column
-  (vertical lines) and per diagonal ``offset = position - key`` (slash lines).
-* :func:`antidiagonal_scores`, :func:`iter_antidiagonal_mass`, :func:`antidiagonal_mass` —
-  XAttention's strided antidiagonal estimate of the attention mass per (query block, key block)
-  (``backend="triton"``: the fused kernels of :mod:`elasticfw.kernels.xattention_estimate`).
-* :func:`window_means` — NSA's compressed keys: means of (overlapping) fixed windows.
-* :func:`mean_pool_keys` / :func:`gate_scores` — MoBA's gate: each query against the mean of a
-  key block's real keys.
-* :func:`query_grid` / :func:`pool_tiles` — lay query rows (or per-row values) on the layout's
-  tiles and pool them per tile (sum, mean, max, any, all over the tile's real rows).
-* :func:`pool_blocks` — pool a score matrix into (row block, column block) cells (sum, mean,
-  max, over an optional validity mask).
-
-**Selectors** (per row: the last dimension is what is selected from)
-
-* :func:`topk_select` — ``forced`` entries plus the best other ``candidates`` up to ``k`` in all
-  (forced entries count toward ``k`` and are kept even beyond it).
-* :func:`threshold_select` — ``forced`` entries plus the best other ``allowed`` entries while the
-  kept mass is below ``threshold`` times the row's total (the crossing entry is kept).
-
-Both break ties deterministically: among equal scores the **lower index wins** (a stable
-descending sort), whatever the device. Scores must not be NaN.
+Contract of every estimator: canonical coordinates (:mod:`elasticfw.attention.seq`), float32
+whatever the input dtype, causality (key ``j`` reaches position ``p`` iff ``j <= p``) and padding
+(keys ``>= kv_len``, padding rows) masked, the call's ``scale`` (``None``: ``head_dim ** -0.5``),
+and query head ``h`` reading KV head ``h // (Hq // Hkv)``. The list of functions is in
+``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations
@@ -53,6 +24,8 @@ from typing import Literal
 
 import torch
 
+from elasticfw.attention.selectors import threshold_select as threshold_select  # re-exported
+from elasticfw.attention.selectors import topk_select as topk_select  # re-exported
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
 from elasticfw.kernels import triton_unavailable
@@ -535,85 +508,3 @@ def gate_scores(q: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
     group = _check_group(hq, hkv, "gate_scores")
     grouped = q.float().view(batch, hkv, group, rows, dim)
     return torch.einsum("bkgrd,bknd->bkgrn", grouped, pooled).reshape(batch, hq, rows, -1)
-
-
-# ---------------------------------------------------------------------------------------
-# Selectors
-# ---------------------------------------------------------------------------------------
-
-
-def _descending(scores: torch.Tensor, eligible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices of the last dim with the eligible entries first, by descending score, ties to the
-    lower index (two stable sorts: a score of -inf never lets an ineligible entry jump ahead);
-    returns (order, eligible in that order)."""
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-    sorted_eligible = eligible.gather(-1, order)
-    regroup = torch.sort((~sorted_eligible).to(torch.uint8), dim=-1, stable=True).indices
-    order = order.gather(-1, regroup)
-    return order, eligible.gather(-1, order)
-
-
-def topk_select(
-    scores: torch.Tensor,
-    k: int | torch.Tensor,
-    *,
-    candidates: torch.Tensor | None = None,
-    forced: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Bool like ``scores`` (..., N): per row, the ``forced`` entries plus the best other candidates.
-
-    ``k`` (an int, or a tensor broadcastable to (..., 1)) counts the forced entries: the
-    ``max(k - #forced, 0)`` highest-scoring entries of ``candidates & ~forced`` are added, and every
-    forced entry is kept even beyond ``k``. ``candidates`` (default: all) and ``forced`` (default:
-    none) are bool, broadcastable to ``scores``. Among equal scores the lower index wins. This is
-    MoBA's rule (``forced`` = the current block), NSA's (initial + local blocks) and MInference's
-    (sink columns, local diagonals).
-    """
-    shape = scores.shape
-    forced_t = (
-        torch.zeros(shape, dtype=torch.bool, device=scores.device) if forced is None else forced.expand(shape)
-    )
-    eligible = ~forced_t if candidates is None else candidates.expand(shape) & ~forced_t
-    budget = torch.as_tensor(k, device=scores.device) - forced_t.sum(-1, keepdim=True)
-    order, sorted_eligible = _descending(scores, eligible)
-    rank = torch.arange(shape[-1], device=scores.device).expand(shape)
-    take = sorted_eligible & (rank < budget)
-    chosen = torch.zeros(shape, dtype=torch.bool, device=scores.device).scatter_(-1, order, take)
-    return chosen | forced_t
-
-
-def threshold_select(
-    scores: torch.Tensor,
-    threshold: float,
-    *,
-    allowed: torch.Tensor | None = None,
-    forced: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Bool like ``scores`` (..., N) of non-negative masses: cumulative-mass selection per row.
-
-    The row total is the mass of the ``allowed`` entries (default: all). ``forced & allowed``
-    entries are always kept; the other allowed entries are visited by descending mass (ties: the
-    lower index first) and entry ``c_j`` is kept iff ``forced_mass + sum_{i<j} mass(c_i) <
-    threshold * total``: entries are added while the kept mass is below the target, and the one
-    that crosses it is included (XAttention's rule). ``threshold >= 1`` keeps every allowed entry
-    (no rounding in a cumulative sum can drop one).
-    """
-    shape = scores.shape
-    allowed_t = torch.ones(shape, dtype=torch.bool, device=scores.device) if allowed is None else allowed.expand(shape)
-    if threshold >= 1.0:
-        return allowed_t.clone()
-    forced_t = torch.zeros_like(allowed_t) if forced is None else allowed_t & forced
-    zero = torch.zeros((), device=scores.device, dtype=scores.dtype)
-    mass = torch.where(allowed_t, scores, zero)
-    total = mass.sum(-1, keepdim=True)
-    forced_mass = torch.where(forced_t, mass, zero).sum(-1, keepdim=True)
-    candidate = allowed_t & ~forced_t
-    # masses are >= 0, so -1 sorts non-candidates last
-    values = torch.where(candidate, mass, torch.full((), -1.0, device=scores.device, dtype=scores.dtype))
-    sorted_values, order = torch.sort(values, dim=-1, descending=True, stable=True)
-    sorted_candidate = candidate.gather(-1, order)
-    contrib = torch.where(sorted_candidate, sorted_values, zero)
-    before = torch.cat([forced_mass, contrib[..., :-1]], dim=-1).cumsum(-1)
-    take = sorted_candidate & (before < threshold * total)
-    chosen = torch.zeros_like(take).scatter_(-1, order, take)
-    return chosen | forced_t
