@@ -17,7 +17,7 @@
     elasticfw bench prefill --out F [...]      # model-level time to first token, dense vs elastic
     elasticfw bench attention --out F [...]    # attention kernels per mode (python -m elasticfw.bench.attention)
     elasticfw bench router --out F [...]       # router overhead (python -m elasticfw.bench.router)
-    elasticfw bench targets DIR [--also F ...] # DIR/targets.json: issue 10's figures from the JSONs in DIR (and F)
+    elasticfw bench targets DIR [--also F ...] # DIR/targets.json: the speed targets' figures from the JSONs in DIR (and F)
 
 Errors elasticfw raises on purpose print as one paragraph and exit with status 2; anything else
 is a bug and keeps its traceback.
@@ -239,7 +239,7 @@ def _add_bench(sub: Any) -> None:
         p = bsub.add_parser(name, help=f"{text} (arguments: python -m elasticfw.bench.{name} --help)", add_help=False)
         p.add_argument("args", nargs=argparse.REMAINDER)
         p.set_defaults(func=_cmd_bench_passthrough)
-    p = bsub.add_parser("targets", help="targets.json (issue 10's figures) from the benchmark JSONs of a folder")
+    p = bsub.add_parser("targets", help="targets.json (the speed targets' figures) from the benchmark JSONs of a folder")
     p.add_argument("folder", help="folder holding the benchmark JSONs (attention, prefill, router, demo)")
     p.add_argument("--out", help="where to write (default: FOLDER/targets.json)")
     p.add_argument("--also", nargs="+", default=[], metavar="JSON",

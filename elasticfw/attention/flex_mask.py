@@ -1,37 +1,16 @@
 """Block layout → FlexAttention :class:`~torch.nn.attention.flex_attention.BlockMask`, exactly and in O((S/bs)^2).
 
-FlexAttention runs a grid of ``KB x KB`` tiles (``KB``, the *kernel block size*) over a query
-tensor and a key tensor whose rows are all aligned to that grid. elasticfw's canonical
-coordinates are per sample (:mod:`elasticfw.attention.seq`): query row ``i`` of sample ``b`` sits
-at position ``q_start[b] + i``, which need not be a multiple of anything (decode: ``q_len == 1``
-at ``kv_len - 1``; chunked prefill: ``q_start = kv_len - q_len``). :func:`to_block_mask` bridges
-the two:
-
-* **Query padding.** Each sample's queries are front-padded by ``q_start[b] % KB`` rows inside a
-  padded query tensor of ``q_padded_len`` rows (a multiple of ``KB``), so that tile ``t`` of
-  sample ``b`` is exactly position tile ``q_start[b] // KB + t``. ``mask_mod`` turns a padded row
-  back into a position with a tiny per-sample table captured in its closure:
-  ``pos = q_tile_pos[b] + q_idx``. :meth:`FlexMask.pad_queries` / :meth:`FlexMask.unpad_rows`
-  do the padding and gather the real rows (and their log-sum-exp) back.
-* **Key padding.** Keys are padded (masked) up to ``kv_padded_len``, a multiple of ``KB``.
-* **Kernel block size.** ``KB`` may differ from the layout's block size ``bs``. When ``bs`` is a
-  multiple of ``KB`` the layout is re-expressed exactly at ``KB`` (:func:`~elasticfw.attention.
-  layout.rescale`). When ``KB`` is a multiple of ``bs`` (a 64-token layout on a GPU whose default
-  FlexAttention kernels want 128-token tiles) the layout is *coarsened*: a tile is computed when
-  any of its ``(KB/bs)^2`` sub-blocks is, and ``mask_mod`` looks the exact sub-block up in a
-  ``(B, H, Qp/bs, Kp/bs)`` bool table, so the pairs computed are still exactly the layout's.
-* **Full and partial tiles.** A computed tile is *full* (``full_kv_num_blocks`` /
-  ``full_kv_indices``: ``mask_mod`` is skipped) when the mask is all-true for every real query
-  row of the tile: strictly below the diagonal, no key padding in it, every sub-block selected
-  and none partial (token-masked). Every other computed tile is *partial* (``kv_num_blocks`` /
-  ``kv_indices``), where ``mask_mod`` applies causality ``kv <= pos``, key validity
-  ``kv < kv_len[b]``, the layout's token mask and, if coarsened, the sub-block lookup.
-* **Heads.** The mask's head dimension must be 1 or the number of *query* heads (the kernel
-  indexes it with ``hq % mask_heads``); a per-KV-head layout is expanded to the query heads
-  with :func:`~elasticfw.attention.layout.expand_heads` and a 1-head layout stays 1 head.
-
-Nothing here is O(S^2): every tensor is per tile, per sub-block or per sample. The dense views
-(:func:`tile_masks`, :func:`dense_kernel_mask`) exist for the emulated executor path and tests.
+:func:`to_block_mask` puts a layout in canonical coordinates (:mod:`elasticfw.attention.seq`,
+query rows at any ``q_start``) on FlexAttention's grid of ``KB x KB`` tiles (``KB``, the kernel
+block size): each sample's queries are front-padded by ``q_start[b] % KB`` rows and the keys
+padded to a multiple of ``KB`` (:meth:`FlexMask.pad_queries` / :meth:`FlexMask.unpad_rows`); a
+layout of another block size is rescaled to ``KB`` or, when ``KB`` is a multiple of it, coarsened
+with an exact sub-block lookup in ``mask_mod``. A tile is *full* (no ``mask_mod``) only where
+every real pair in it is computed; in the others ``mask_mod`` applies causality, key validity,
+the token mask and the sub-block lookup, so the pairs computed are exactly the layout's. Mask
+heads are 1 or the query heads. Nothing is O(S^2) but the dense views (:func:`tile_masks`,
+:func:`dense_kernel_mask`) kept for the emulated executor and tests. The conversion in detail:
+``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

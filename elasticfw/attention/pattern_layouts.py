@@ -1,27 +1,14 @@
 """Selections → :class:`~elasticfw.attention.layout.BlockLayout`, exactly.
 
-The third step of a data-dependent mode (:mod:`elasticfw.attention.patterns` holds the first
-two, estimation and selection). Each converter takes what a selector chose and returns the layout
-an executor runs, in canonical coordinates (:mod:`elasticfw.attention.seq`):
-
-* :func:`key_blocks_to_layout` — one selection per layout tile over *key groups* of
-  ``key_block_size`` tokens (XAttention's blocks, block-granular MoBA's MoBA blocks) → whole blocks,
-  no token mask.
-* :func:`row_selection_layout` — one selection per query *row* over key groups (per-token MoBA,
-  per-token NSA's selection) → each tile computes the union of its real rows' selections, is
-  *partial* where they disagree, and a token mask looks each row's own selection up;
-  :func:`row_selection_layout_from_tiles` is the same with the tiles' union and common given.
-* :func:`lines_to_layout` — selected key *columns* (vertical lines: key ``j`` for every query)
-  and *diagonals* (slash lines: offset ``d = position - key``) → the blocks the lines cross,
-  partial unless a block is wholly covered by its columns or by its diagonals, and the exact
-  token mask ``(b, h, q, k) -> columns[b, h, k] | diagonals[b, h, q - k]``.
-* :func:`tile_union` — per-row selections → per tile: the union, the common part, and which
-  tiles hold a real row.
-
-Results are causal block patterns (no key block after a tile's own); causality inside the
-diagonal block is the executor's, as for every layout. Selections may have 1, ``Hkv`` or ``Hq``
-heads; the layout has the same number. Every tensor is O((S/bs)^2) per head except the
-selections the caller passes in (a per-row selection is O(Sq * S / key_block_size)).
+The third step of a data-dependent mode (:mod:`elasticfw.attention.patterns` estimates,
+:mod:`elasticfw.attention.selectors` selects): :func:`key_blocks_to_layout` (one selection per
+tile over key groups), :func:`row_selection_layout` and :func:`row_selection_layout_from_tiles`
+(one selection per query row: the tile's union, partial where its rows disagree, a token mask
+per row), :func:`lines_to_layout` (vertical and slash lines) and :func:`tile_union`. Results are
+causal block patterns in canonical coordinates (:mod:`elasticfw.attention.seq`) with the
+selection's number of heads (1, ``Hkv`` or ``Hq``); causality inside the diagonal block is the
+executor's. Every tensor is O((S/bs)^2) per head besides the selections passed in. Each converter
+in detail: ``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

@@ -5,40 +5,14 @@
     python -m elasticfw.bench.attention --device cpu --seq 256 --q-heads 4 --kv-heads 2 --head-dim 16 \\
         --out /tmp/bench.json                                   # smoke run on CPU
 
-Default shape: Llama-3.1-8B attention (B=1, 32 query heads, 8 KV heads, head dim 128, causal,
-bf16), S in {8192, 32768}. The timed q/k/v are ``--inputs structured`` by default
-(:func:`elasticfw.bench.inputs.structured_qkv`: attention sinks, RoPE locality and recurring
-topics, so data-dependent modes skip about what they skip on a real model; the parameters are in
-the JSON's ``inputs``) or ``random`` (standard Gaussian, on which XAttention keeps ~90% of the
-blocks); each layout's ESR is recorded beside its time. In one process it times, per S:
-
-* ``sdpa_cudnn`` / ``sdpa_flash``: dense causal SDPA pinned to the cuDNN / FlashAttention-2 backend
-  (``sdpa_math`` on CPU). ``sdpa_cudnn`` is the baseline every ``ratio`` refers to (same kind).
-* ``flex_dense_raw``: the compiled FlexAttention kernel on a prebuilt causal BlockMask (kernel only).
-* ``flex:<mode>``: ``FlexExecutor.attend`` on a prebuilt layout of every registered mode with its
-  default (paper) config: the layout's conversion for the kernel the executor picks plus that
-  kernel. On CUDA at inference (``sparse_kernel: auto``) that is the Triton block-sparse kernel and
-  its work lists, not a BlockMask. For modes whose layout depends only on the lengths
-  (``layout_depends_on_inputs = False``) the layout is marked reusable as the runtime marks it, so
-  the conversion happens once and the time is the kernel's: in a model it is converted once per
-  forward for all layers. ``layout:<mode>`` times the layout construction and ``convert:<mode>``
-  the layout → FlexAttention BlockMask conversion alone (what training and ``sparse_kernel: flex``
-  pay; the Triton path's work lists are inside the ``flex:`` rows); ``mode:<mode>`` adds the
-  mode's side branch when it has one.
-* ``flex:hybrid(full+<mode>)``: the Elastic Attention case, one launch for a layer whose first
-  ``(1 - msr)`` of KV heads run full attention and the rest ``<mode>`` (``--msr``, default 0.875).
-
-Forward (inference, no autograd) for all; forward+backward (``fwd_bwd``) for the SDPA baselines,
-``flex_dense_raw`` and every ``flex:`` entry. The first call of each compiled entry is timed
-separately (``first_call_s``, compile included). ``--layout-memory N`` measures, per mode, the
-peak CUDA memory of building its layout (and of converting it to a BlockMask) at N tokens:
-``torch.cuda.max_memory_allocated`` above what was allocated before; ``>= N*N`` bytes (one byte
-per query-key pair) is recorded as a failure.
-
-One entry failing records its error in the JSON and the run goes on; the exit status is 1 if
-anything failed. The JSON records GPU, torch/triton/transformers/cuDNN versions, the git commit
-(the environment variable ``ELASTICFW_COMMIT`` where set, as a device copy without the repository's
-history sets it, else ``git rev-parse HEAD``) and the date.
+Default shape: Llama-3.1-8B attention (B=1, 32 query / 8 KV heads, head dim 128, causal, bf16),
+S in {8192, 32768}, structured inputs (:func:`elasticfw.bench.inputs.structured_qkv`). Rows: the
+dense SDPA baselines (``sdpa_cudnn`` is every ``ratio``'s), FlexAttention on a prebuilt causal
+mask, and per mode ``flex:``, ``layout:``, ``convert:`` and ``mode:``, plus the Elastic Attention
+case ``flex:hybrid(full+<mode>)``; forward, and forward+backward where differentiable, with each
+layout's ESR beside its time. ``--layout-memory N`` measures each mode's layout memory at N tokens.
+A failing entry records its error and the run goes on (exit status 1); the JSON records the
+environment and commit. What each row times: ``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

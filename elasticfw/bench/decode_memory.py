@@ -5,40 +5,14 @@
         --heads 4 --kv-heads 2 --head-dim 16 --intermediate 128 --vocab 256 --sink 16 --local 32 \\
         --block 16 --steps 3 --warmup 1 --out /tmp/decode_memory.json      # smoke run on CPU
 
-Model: a Llama with random weights at Llama-3.1-8B's shape (hidden 4096, 32 query / 8 KV heads,
-head dim 128, MLP 14336, vocabulary 128256, bf16) but only ``--layers`` decoder layers (default
-4): the KV cache and the attention scale per layer, so per-layer numbers carry over to 32 layers;
-the weights of the missing layers are simply not there. Context ``--contexts`` (default 32768
-and 131072 tokens), batch 1.
-
-Variants, per context:
-
-* ``dense``: the unmodified model (transformers' ``sdpa`` attention, dynamic cache).
-* ``full_cache`` / ``compact_cache`` at each ``--msr`` (default 0.5 and 0.875): the elastic model,
-  FA-SSA (full attention + streaming, sink ``--sink`` 128, window ``--local`` 2048, block 64),
-  the first ``round((1 - msr) * Hkv)`` KV heads of every layer on full attention and the rest
-  streaming (``fixed`` router), with transformers' dynamic cache (``elastic.kv_cache: full``) or
-  :class:`~elasticfw.model.kv_cache.ElasticKVCache` (``compact``).
-
-The prefill runs the ``--prefill-executor`` (default ``flex`` on CUDA: the dense-mask executors
-hold an S x S mask at 128K) and the decode steps the ``--decode-executor`` (default ``sdpa``; its
-options as JSON in ``--decode-options``);
-the runtime's executor is swapped between the two (both compute the same pairs). For each variant:
-the cache's bytes after the prefill and after the decode (every key, value and slot-position
-tensor it holds), the peak of ``torch.cuda.max_memory_allocated`` during the prefill and during
-the decode above what was allocated before (the weights), the prefill time, and the median decode
-step time over ``--steps`` steps after ``--warmup`` (``step_over_dense``: over the same context's dense
-step of this run; a decode step's time is the host's, which drifts between runs and machines, so
-compare ratios within one run). ``kv_ratio`` is the cache's bytes after the
-prefill over the dense cache's (the compact cache's include each full store's growth reserve,
-256 tokens, and an int32 position per compact slot); ``expected_kv_ratio`` is
-``(1 - msr) + msr * (sink + local) / context``; ``kept_tokens_ratio`` is the compact cache's kept
-(sample, head, token) entries after the timed decode steps over a full cache's (``--profile``'s
-three profiled steps come after these figures). A row's ``msr`` is the realised one (whole heads:
-0.875 of 2 KV heads is 1.0), ``target_msr`` the one asked.
-
-One variant failing records its error in the JSON and the run goes on; the exit status is 1 if
-anything failed. The JSON records GPU, versions and commit (:func:`elasticfw.provenance.environment`).
+A Llama with random weights at Llama-3.1-8B's shape but only ``--layers`` decoder layers (per-layer
+figures carry over to 32), batch 1, contexts ``--contexts``. Variants per context: ``dense`` (the
+plain model) and the elastic model under FA-SSA with a ``fixed`` router at each ``--msr``, with the
+full (``full_cache``) or the compact (``compact_cache``) KV cache. Per variant: the cache's bytes
+after the prefill and after the decode, the peak CUDA memory of each phase, the prefill time and
+the median decode step (``step_over_dense``: over the same run's dense step; compare ratios within
+one run), ``kv_ratio`` beside ``expected_kv_ratio``. A failing variant records its error (exit
+status 1); the JSON records the environment. Field by field: ``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

@@ -1,33 +1,17 @@
-"""How the block-sparse kernel's time scales with the blocks it computes (issue 10's kernel criteria).
+"""How the block-sparse kernel's time scales with the blocks it computes (the kernel's speed criteria).
 
     python -m elasticfw.bench.density --out results/bench/NAME/density.json               # one GPU
     python -m elasticfw.bench.density --seq 32768 --tiles 128,64,4,3 128,128,8,2 --out ...
     python -m elasticfw.bench.density --device cpu --seq 512 --q-heads 4 --kv-heads 2 --head-dim 16 --out /tmp/d.json
 
-Per sequence length S (B = 1, Llama-3.1-8B attention shape by default, bf16, Gaussian q/k/v):
-
-* ``sdpa_cudnn`` — dense causal SDPA through cuDNN (K/V repeated outside the timed region if
-  the backend has no GQA): the baseline (``sdpa_math`` on a CPU).
-* ``flex@<density>`` — the registered ``flex`` executor on a *block layout* that keeps that share
-  of the causal ``--block-size`` blocks of every (query head, query block) row: the diagonal
-  block always, the others drawn at random without replacement (``round(density * (t + 1))`` of
-  the ``t + 1`` causal blocks of row ``t``, at least the diagonal), never declared
-  ``dense_causal``, so even at density 1 it runs the block-sparse path rather than a dense one.
-  ``realised_density`` is the kept share of the causal blocks.
-* with ``--tiles BM,BN,WARPS,STAGES ...``, the same per FlexAttention tile configuration
-  (``kernel_options``), named ``flex[BM,BN,WARPS,STAGES]@<density>``;
-* with ``--triton BM,BN,WARPS,STAGES ...``, the same through the flex executor's Triton
-  block-sparse kernel (``sparse_kernel: triton``, ``sparse_kernel_tiles``), named
-  ``triton[BM,BN,WARPS,STAGES]@<density>``.
-
-Each layout is converted (BlockMask or the Triton kernel's work lists) once, before its timed
-calls, which time the kernel alone, as the cuDNN baseline's do. Each row holds the median time
-(``triton.testing.do_bench`` on CUDA), ``ratio_vs_full`` (its own
-time at density 1 of the same configuration), ``ratio_vs_cudnn``, and the computed blocks'
-throughput. The issue's criteria are read from these: at density 0.5 within 0.6 of its own
-density-1 time, and at density 1 within 1.25 of cuDNN (``criteria`` in the JSON, for the
-configuration with the fastest density-1 time), and a PNG plot beside the JSON. The core never imports the built-in plugins:
-the executor comes from the registry, as a third party's would.
+Per sequence length (B = 1, Llama-3.1-8B attention shape by default, bf16, Gaussian q/k/v): the
+``sdpa_cudnn`` baseline and ``flex@<density>``, the registered ``flex`` executor on a random block
+layout keeping that share of the causal blocks (never ``dense_causal``, so density 1 still runs
+the block-sparse path); ``--tiles`` and ``--triton`` repeat it per FlexAttention tile
+configuration or through the Triton block-sparse kernel. Layouts are converted before the timed
+calls. Each row: median time, ``ratio_vs_full``, ``ratio_vs_cudnn`` and throughput; ``criteria``
+(density 0.5 within 0.6 of density 1, density 1 within 1.25 of cuDNN) and a PNG plot. The executor
+comes from the registry, as a third party's would. Details: ``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

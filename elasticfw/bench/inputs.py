@@ -1,29 +1,13 @@
 """Benchmark inputs with the structure of a real model's attention: sinks, locality, recurring topics.
 
-Random Gaussian q/k make every key block equally important, so a data-dependent mode
-(XAttention, MoBA, NSA) keeps nearly everything (XAttention's ESR on them is about 0.1 at 128K)
-and its timing says nothing about the work it skips on real inputs. :func:`structured_qkv`
-builds q/k whose attention has the three features long-context models show:
-
-* **sinks** — the first ``sink_tokens`` keys draw attention from every query: they and every
-  query carry a component along one shared direction, worth ``sink_logit`` (in logits, after
-  the ``1/sqrt(d)`` scale), unrotated and in the lowest RoPE frequency pair (whose rotation
-  would be negligible), where nothing else is;
-* **locality** — every query and key carries a per-KV-head content vector of squared norm
-  ``local_logit * sqrt(d)`` rotated by RoPE (Llama-3 frequencies, ``rope_base``), so the
-  score of a pair falls off with distance as the mean of ``cos(distance * theta_f)`` over the
-  frequencies: from ``local_logit`` at distance 0 to about 0.3 of it at 10K tokens;
-* **recurring topics** — the sequence is cut into segments of ``segment_tokens``, each drawing
-  one of ``topics`` random directions per KV head (of squared norm ``topic_logit * sqrt(d)``,
-  applied without rotation, i.e. position-free content): a query also attends to far segments
-  of its own topic, so some distant blocks matter and the selection is not a plain window;
-
-plus unit Gaussian noise on every q and k coordinate (logit noise of standard deviation about
-1) and Gaussian v. With the defaults, the last queries of a 32K sequence put about 13% of their
-attention on the 4 sinks and 54% on the last 2,048 keys (entropy 5.7 nats), and XAttention's
-threshold 0.9 skips 82% of the causal pairs (on Gaussian inputs: about 10%). A query head of a GQA group adds its own noise to the group's shared parts.
-Everything is generated on the CPU from ``seed`` (identical on every machine) in float32 and then
-cast, so a benchmark JSON that records the parameters (:func:`describe`) can be reproduced.
+Random Gaussian q/k make every key block equally important, so a data-dependent mode keeps nearly
+everything and its timing says nothing about the work it skips on real inputs.
+:func:`structured_qkv` builds q/k with attention sinks (``sink_tokens`` keys every query attends
+to), RoPE locality (a per-KV-head content vector rotated with Llama-3 frequencies) and recurring
+topics (segments sharing one of ``topics`` directions), plus unit Gaussian noise, and Gaussian v.
+Everything is generated on the CPU from ``seed`` in float32 and then cast, so a benchmark JSON
+that records the parameters (:func:`describe`) can be reproduced. The construction and what the
+defaults give: ``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

@@ -4,38 +4,15 @@
     elasticfw bench prefill --model llama-3.1-8b --seq 32768 131072 --layers 4 --out ...
     elasticfw bench prefill --device cpu --model tiny-llama --seq 256 --out /tmp/p.json   # smoke run
 
-A model of the real sizes (``llama-3.1-8b``: transformers ``LlamaConfig`` of Llama-3.1-8B, 32
-layers, 32 query / 8 KV heads, head dim 128, llama3 RoPE; ``qwen3-8b``: 36 layers, q/k norms) is
-built with random weights in ``--dtype`` on ``--device``; ``--layers N`` keeps its first N
-decoder layers (recorded in the JSON: every layer has the same shape, so the ratios of two
-variants hardly depend on N — the embedding and the last-token LM head are the only other costs).
-One prompt of S random tokens (batch 1), ``use_cache=False`` and ``logits_to_keep=1`` (the first
-token's logits, no 128K x vocabulary matrix), the same for every variant. Per model and S, in one
-process on one model (elasticfw wraps and unwraps it):
-
-* ``dense:sdpa`` — the plain transformers model, ``attn_implementation="sdpa"``, torch's default
-  backend choice; on CUDA also ``dense:sdpa_cudnn_first`` (the same under ``sdpa_kernel`` with
-  cuDNN first). The faster of the two is the baseline (``baseline_ms``) of every ratio.
-* ``elastic:<executor>:msr=0`` — every KV head routed to full attention (``fixed`` router,
-  ``all_retrieval``), for each ``--executors`` entry.
-* ``elastic:<executor>:<config>:msr=<m>`` — a hybrid of ``--configs`` (default ``fa-ssa``) with
-  fixed routing: in every layer the first ``round((1 - m) * kv_heads)`` KV heads take the
-  configuration's retrieval mode, the rest its sparse mode; ``msr`` is the realised value. The
-  configurations are the paper's names (:data:`CONFIGS`): ``fa-ssa`` (full + streaming,
-  ``--sink``/``--local``, paper defaults 128/2048), ``fa-xa`` (full + XAttention, stride 16,
-  threshold 0.9) and ``xa-ssa`` (XAttention + streaming); every mode at ``--block-size`` (64).
-  XAttention's selection depends on the q/k of the random-weight model, so its ``esr`` is the
-  figure to read beside its time.
-
-Each row holds the median of ``--reps`` timed forwards after ``--warmup`` untimed ones, the same
-number for every row (the first call, compilation included, is ``first_call_s``; an elastic row's
-first call collects its routing statistics), ``esr`` (all-layer effective sparsity of the
-prefill, from elasticfw's routing report, measured on the first pass; timed passes run without
-statistics), ``ratio`` = time / baseline and ``speedup`` = baseline / time. Each elastic forward
-after the first builds its layouts (and its executor's masks or work lists) afresh, as a request
-does: the runtime's layout cache is emptied, untimed, before each. Compiled kernels stay warm. A failing variant
-records its error and the run goes on (exit status 1). The JSON carries the environment
-(:func:`elasticfw.provenance.environment`) and a PNG plot of the speed-ups is written beside it.
+A model of the real sizes (``llama-3.1-8b``, ``qwen3-8b``) with random weights, optionally only
+its first ``--layers`` decoder layers; one prompt of S random tokens, batch 1, the first token's
+logits only. Rows: ``dense:sdpa`` (on CUDA also ``dense:sdpa_cudnn_first``; the faster is
+``baseline_ms``), ``elastic:<executor>:msr=0`` and ``elastic:<executor>:<config>:msr=<m>`` for the
+paper's configurations (:data:`CONFIGS`) under a ``fixed`` router. Each row: the median of
+``--reps`` forwards after ``--warmup``, ``first_call_s``, ``esr``, ``ratio`` and ``speedup``; each
+elastic forward builds its layouts afresh, as a request does. A failing variant records its error
+(exit status 1); the JSON carries the environment and a PNG plot is written beside it. Details:
+``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

@@ -3,21 +3,12 @@
     python -m elasticfw.bench.router --out results/bench/NAME/router.json
     python -m elasticfw.bench.router --device cpu --seq 1024 --layers 2 --out /tmp/router.json  # smoke
 
-Default shape: Llama-3.1-8B (32 layers, 8 KV heads, 32 query heads, head dim 128), B=1, bf16 key
-states, S in {512, 8192, 32768, 131072}. Times ``router.decide`` for all layers (eval mode, no
-autograd), each followed by the host read of its decision that the runtime makes at inference (a
-synchronisation per layer: the cost the router adds to a forward; ``decide_only_per_layer_ms``
-leaves it out), for the router the paper uses (``mlp``, about 0.27M parameters per layer), against one
-layer of dense causal cuDNN SDPA at the same S measured in the same run. The paper reports an
-average router latency of 0.196 ms, constant from 512 to 1M tokens (Fig. 10).
-
-``router_per_layer_ms`` is the router's default configuration. For a router with a ``kernel``
-field (``mlp``) the same weights are also timed on the eager path (``eager_per_layer_ms``) and
-on the fused Triton kernel (``fused_per_layer_ms``), and the fused decision is compared with
-the eager one (``fused_max_abs_logit_diff``, ``fused_decisions_equal``). Where Triton cannot run
-(CPU tensors without ``TRITON_INTERPRET=1``, no triton package) the fused fields are ``null``
-and ``fused_unavailable`` says why. Under the interpreter the fused times are the interpreter's,
-not a kernel's.
+Times ``router.decide`` of every layer (Llama-3.1-8B shape by default), each followed by the host
+read of its decision that the runtime makes (``decide_only_per_layer_ms`` leaves it out), against
+one layer of dense causal cuDNN SDPA in the same run. For a router with a ``kernel`` field the
+eager and the fused path are timed and compared (``fused_*`` fields; ``null``, with
+``fused_unavailable``, where Triton cannot run). Details and the paper's figure:
+``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

@@ -2,37 +2,13 @@
 
     elasticfw bench targets results/bench/speed-targets --out results/bench/targets.json
 
-:func:`build_targets` is a pure function: it takes the loaded JSONs (file name -> content) of one
-run and returns one ``{"figure", "value", "target", "met", "source"}`` per figure of the issue's
-table, ``figure`` in the table's wording and ``source`` the JSON file it comes from. Each JSON is
-recognised by its content:
-
-* ``elasticfw.bench.attention`` (``"benchmark"``): the layer figures at the longest sequence
-  (128K) against ``sdpa_cudnn`` ``fwd`` of the same run (the mean of its first time and its
-  ``sdpa_cudnn@end`` one, timed after the length's other entries, where the run has both). Every
-  layer figure uses the ``split`` executor's row (``split:hybrid(full+streaming,msr=0.875)``,
-  ``split:full``, ``split:<mode>``; the ``flex:`` row only when there is no ``split`` row);
-  planning is ``layout:<mode>``; a mode's layer is its layout plus its ``mode:`` row (side branch
-  included; a failed one gives the layer no value) or, for a mode without one, its executor row,
-  against ``1.15 × (1 − ESR) + planning target`` with the layout's mean ESR.
-* ``elasticfw.bench.prefill``: model speed-ups (``speedup``: best dense time / elastic time) of
-  the ``split`` executor on ``llama-3.1-8b`` (runs of other models answer none), ``elastic:split:msr=0``
-  and ``elastic:split:fa-ssa:msr=0.875``, at 131072 and 32768 tokens.
-* ``router_overhead`` (elasticfw.bench.router): ``router_per_layer_ms`` at 131,072 tokens,
-  from a run that timed each decision's host read with it (``"timed"``; an older run timed
-  ``decide()`` alone and gives no value).
-* ``elasticfw.bench.density``: the block-sparse kernel's two criteria at 128K from its
-  ``criteria`` list (50% density / own 100%, 100% density / cuDNN).
-* the CPU demo (``"benchmark": "demo_cpu"``, or any JSON with ``rows`` labelled ``full`` and
-  ``all-streaming`` holding ``seconds``, as ``results/bench/demo-executors/demo-cpu.json``): all-streaming / full time.
-
-A figure whose JSON or row is missing (or errored) gets ``value: null`` and ``met: false``; so does
-a figure of a run whose setup is not the table's (:func:`setup_mismatch`: the Llama-3.1-8B attention
-shape in bf16 on a GPU, structured inputs, streaming with sink 128 / local 2048; the MLP router
-over 32 layers, timed with its host read; the demo on 2 CPU threads), with the reason in ``note``,
-and a non-finite value (none, with a note). A mode's layer takes its limit from the ESR of the same JSON (none: no limit, not met).
-A figure of an attention run whose correctness checks failed is not met (``note`` names them).
-Each entry also carries its source's ``gpu`` and ``git_commit``.
+:func:`build_targets` is a pure function: the loaded JSONs of one run (file name -> content) in,
+one ``{"figure", "value", "target", "met", "source"}`` per speed target out, each JSON recognised
+by its content (the attention, prefill, router and density benchmarks, the CPU demo). A figure
+whose JSON or row is missing or errored, whose run's setup is not the targets'
+(:func:`setup_mismatch`), whose value is not finite or whose run failed its correctness checks is
+not met, with the reason in ``note``; each entry carries its source's ``gpu`` and ``git_commit``.
+Which row answers which figure: ``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

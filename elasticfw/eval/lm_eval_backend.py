@@ -3,25 +3,14 @@
     elasticfw lm-eval --recipe R [--adapter DIR] [--elastic-override KEY=VALUE ...] <lm-eval args>
     lm_eval --model elasticfw --model_args recipe=R,adapter=DIR ...   # after register()
 
-:func:`register` defines the lm-eval model class (``ElasticLM``, a
-``lm_eval.api.model.TemplateLM``) and registers it under the name ``"elasticfw"``; reading
-``ElasticLM`` from this module does the same. It is built either from ``model_args``
-(``recipe=PATH``: the recipe's ``model`` and ``elastic`` sections; ``adapter=DIR``: a trained
-adapter, whose elastic section replaces the recipe's; ``overrides``: recipe ``key=value``
-overrides; ``batch_size``; ``max_length``; ``max_gen_toks``; ``device``) or, in Python, from an
-elastic model in memory: ``ElasticLM.from_model(elastic, tokenizer, batch_size=4)``.
-
-Requests run in padded batches: ``loglikelihood`` and ``loglikelihood_rolling`` right-padded
-(one forward, the continuation's log-probabilities summed), ``generate_until`` left-padded
-through the elastic model's ``generate`` with lm-eval's stop sequences. A request that does not
-fit the context window (``max_length``, at most the model's ``max_position_embeddings``) is
-refused with :class:`~elasticfw.errors.UnsupportedInputError`; lm-eval's own backends would cut
-its left end silently. After every prefill the model's routing (MSR, ESR) is recorded per
-sequence; :meth:`ElasticLMBase.get_model_info` puts their means per request type into
-``results["config"]["elasticfw_routing"]`` and ``elasticfw lm-eval`` prints them.
-
-lm-eval is an optional dependency (``pip install 'elasticfw[lmeval]'``); importing this module
-imports neither it nor torch, so the ``elasticfw`` command stays fast.
+:func:`register` defines ``ElasticLM`` (a ``lm_eval.api.model.TemplateLM``) and registers it as
+``"elasticfw"`` (reading ``ElasticLM`` from this module does the same). It is built from
+``model_args`` (``recipe``, ``adapter``, ``overrides``, ``batch_size``, ``max_length``,
+``max_gen_toks``, ``device``) or from a model in memory (``ElasticLM.from_model``). Requests run in
+padded batches; one that does not fit the context window is refused
+(:class:`~elasticfw.errors.UnsupportedInputError`), never cut. Every prefill's routing (MSR, ESR) is
+recorded and reported in ``results["config"]["elasticfw_routing"]``. Importing this module imports
+neither lm-eval nor torch. Details: ``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

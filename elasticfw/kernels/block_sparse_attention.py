@@ -1,41 +1,16 @@
 """Block-sparse attention (Triton) over block layouts and per-row key-group selections.
 
-One kernel computes the sparse attention of a :class:`~elasticfw.attention.layout.RowSelection`
-exactly, the causal mask and the key padding included, in float32 with the output in the input
-dtype and the natural-log ``lse`` (a row that sees no key: zero output, ``lse = -inf``). A
-selection is a flag table ``selected`` (B or 1, H, R, G): the query at position ``p`` (row ``i``
-of sample ``b``) reads flag row ``p // row_block - q_start // row_block`` and sees key ``j`` iff
-``j <= p``, ``j < kv_len`` and (its row selects ``j``'s group of ``group_size`` keys, or
-``p - window < j`` when ``window > 0``). Query head ``h`` reads table head ``h // (Hq / H)``, keys
-and values head ``h // (Hq / Hkv)`` (GQA without copying K/V). That covers:
-
-* per-token MoBA (``row_block = 1``, groups of the MoBA block size) and NSA per token or per query
-  block with its sliding window, whose layouts carry their selection as data;
-* :func:`block_layout_attention`: any :class:`~elasticfw.attention.layout.BlockLayout` without a
-  token mask (XAttention, MoBA per query block, block streaming, full), as the selection
-  ``(blocks, block_size, row_block=block_size)``.
-
-* **Work lists** (planned by :mod:`elasticfw.kernels.work_lists`:
-  :func:`~elasticfw.kernels.work_lists.plan_work`, or a caller's
-  :class:`~elasticfw.kernels.work_lists.WorkPlan`). Per (sample, table head, tile of ``BLOCK_M``
-  query rows), the key chunks of ``BLOCK_N`` keys the tile must visit: *clean* chunks, which every
-  row of the tile sees whole (no mask at all), and *masked* ones, the rest of what its rows see. So
-  a tile computes only what its rows select, and evaluates no mask function.
-* **Kernel.** One program per (tile, query head, sample), FlashAttention-style: an online
-  softmax in base 2 over the clean list, then the masked list; 16-bit ``q . k`` and ``p . v`` on
-  tensor cores with float32 accumulation (float32 inputs in IEEE float32). Clean chunks read K
-  and V through 2-D TMA tensor descriptors (:func:`kv_descriptor`: 16-bit head-major or
-  token-major K/V with a power-of-two head dim, on compute capability 9+ and under the
-  interpreter; :data:`USE_TMA`), masked chunks through pointers clamped below ``kv_len``; a
-  head's tiles run last first (:data:`REVERSE_TILES`). On an H200 at 128K (all causal 128-blocks,
-  Hq 32 / Hkv 8, d 128) TMA took the kernel from 329.5 to 301.2 ms and the reversed order half
-  the blocks from 162.0 to 148.8 (``results/bench/block-sparse-kernel-options/kernel_options.json``).
-
-Forward only (no autograd): the flex executor uses it for inference calls with ``sparse_kernel``
-``triton`` (or ``auto`` on CUDA), FlexAttention otherwise. Memory beyond the inputs and the
-outputs: the work lists, dense or, above
-:data:`~elasticfw.kernels.work_lists.COMPACT_LISTS_ABOVE` bytes of dense lists, compact (their sizes:
-:mod:`elasticfw.kernels.work_lists`).
+Exact attention of a :class:`~elasticfw.attention.layout.RowSelection`: a flag table ``selected``
+(B or 1, H, R, G) where the query at position ``p`` reads flag row ``p // row_block - q_start //
+row_block`` and sees key ``j`` iff ``j <= p``, ``j < kv_len`` and (its row selects ``j``'s group of
+``group_size`` keys, or ``p - window < j``); query head ``h`` reads table head ``h // (Hq / H)``
+and K/V head ``h // (Hq / Hkv)``. Float32 accumulation, the output in the input dtype and the
+natural-log ``lse`` (a row that sees no key: zero output, ``lse = -inf``).
+:func:`block_layout_attention` runs any layout without a token mask as such a selection. Each
+tile visits only the key chunks its work lists name (:mod:`elasticfw.kernels.work_lists`): clean
+chunks unmasked, the others masked. Forward only: the flex executor's kernel at inference. Launch
+configuration: :mod:`elasticfw.kernels.block_sparse_tiles`. The kernel's choices and their
+measurements: ``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

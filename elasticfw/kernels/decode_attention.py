@@ -1,32 +1,14 @@
 """Decode attention (Triton): one query row per sample over a selection, split over the keys,
 without work lists and without padding the row to a query tile.
 
-What it computes is :mod:`~elasticfw.kernels.block_sparse_attention`'s definition at ``q_len = 1``:
-the query of sample ``b`` sits at position ``p = q_start[b]`` and query head ``h`` sees key ``j``
-iff ``j <= p``, ``j < kv_len[b]`` and (flag row 0 of its selection table selects ``j``'s group, or
-``p - window < j``). A *routed* call takes two selections and the heads that read the second
-(``second_heads`` (B or 1, Hq) bool; Elastic Attention's hard routing: the first selection is the
-retrieval mode's, the second the sparse mode's), so a routed layer's decode step is one launch
-whatever its routing: no split of the heads, no combined layout, no device read on the host.
-Float32 accumulation, the output in the input dtype and the natural-log ``lse`` (a head that sees
-no key: zero output, ``lse = -inf``).
-
-* **Programs.** One per (key split, KV head, sample); its rows are the GQA group's query heads
-  (padded to at least 16 rows for the tensor cores), so every K/V chunk is read once per group.
-  The keys ``[0, kv_capacity)`` are cut into ``splits`` ranges of whole chunks
-  (flash-decoding's split-KV), enough ranges to fill the GPU (:func:`num_splits`).
-* **Chunks.** A program first loads the flags of its range's chunks for all its rows at once
-  (one load per selection), keeps the chunks some row sees (its flags, its window, causality,
-  ``kv_len``), compacts them in registers with a cumulative sum, and then visits only those: a
-  streaming head's program whose range holds neither its sink nor its window reads no key.
-  Chunks are ``BLOCK_N`` keys, the largest power of two (16 to 64) dividing both selections'
-  group sizes; keys past ``kv_len`` are never read (loads clamped below it).
-* **Merge.** Each program writes its rows' unnormalised partial (accumulator, running maximum,
-  sum) to float32 scratch; a second launch merges the splits by log-sum-exp into the output.
-
-Memory beyond the inputs and outputs: ``4 * B * Hq * splits * (D + 2)`` bytes of partials.
-Forward only. :func:`unsupported` says when it cannot run (no Triton on the device, a dtype other
-than float16 / bfloat16 / float32, a head dim above 256, a group size not a multiple of 16).
+Computes :mod:`~elasticfw.kernels.block_sparse_attention`'s definition at ``q_len = 1``. A *routed*
+call takes two selections and ``second_heads`` ((B or 1, Hq) bool: the heads that read the second),
+so a routed layer's decode step is one launch whatever its routing, with no device read on the
+host. One program per (key split, KV head, sample) over the GQA group's query heads visits only
+the chunks some row sees; a second launch merges the splits by log-sum-exp (flash-decoding's
+split-KV). Float32 accumulation, the output in the input dtype, natural-log ``lse``. Memory beyond
+inputs and outputs: ``4 * B * Hq * splits * (D + 2)`` bytes. Forward only; :func:`unsupported` says
+when it cannot run. Programs and chunks in detail: ``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

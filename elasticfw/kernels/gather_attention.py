@@ -1,48 +1,13 @@
 """Query-gather attention (Triton) for per-row key-group selections: upstream MoBA's varlen scheme.
 
-:mod:`elasticfw.kernels.block_sparse_attention` runs a tile of consecutive query rows over the
-union of their selections; for per-token MoBA (top-8 of 128 key groups per row at 128K) the union
-of 128 rows is about three times what each row selects. This module computes the same attention
-(a :class:`~elasticfw.attention.layout.RowSelection` with ``row_block = 1`` and no window: row
-``i`` at position ``p`` sees key ``j`` iff ``j <= p``, ``j < kv_len`` and it selected ``j``'s group)
-the other way round, as upstream MoBA does (``moba_attn_varlen``: per key block, the queries that
-chose it):
-
-* **Entries** (torch, :func:`gather_plan`): every selected (row, group) pair, with its *rank* (the
-  group's place among the row's selected groups, ascending), sorted by (rank, sample, table head,
-  group, row) and cut into tiles of up to ``BLOCK_M`` rows of one (rank, sample, head, group).
-  Only one-dimensional scans and one sort of int64 keys that encode the whole entry build them
-  (torch's scans along a short last dimension and its ``cummax`` took 24 and 96 ms of a 135 ms
-  plan at 128K on an H200, ``results/bench/moba-gather-plan/``; gathering six columns by the
-  sort's permutation and a row-count reduction of the table 7 of the 15.8 ms that followed,
-  ``results/bench/moba-gather-plan/moba_kernel.txt``).
-* **Passes.** One launch per rank ``r`` (at most the largest number of groups a row selects, the
-  MoBA ``top_k``): each program gathers its tile's query rows, attends over its group's keys
-  (chunks wholly before the tile's first position unmasked, the rest masked by causality and
-  ``kv_len``; the unmasked chunks through TMA as the block-sparse kernel's) with an online softmax
-  in base 2, and merges the partial result into the rows'
-  float32 accumulators (normalised output and natural-log ``lse``) by log-sum-exp (the rank-0 pass,
-  which holds every row's first group, writes its partial without reading). Within one
-  pass a row appears at most once, so the merge needs no atomics.
-
-* **Entries** (``merge="entries"``, :func:`gather_entry_plan`): the same tiles without the rank
-  split, one launch over all of them; each row's partial output (normalised, in the inputs'
-  dtype, as upstream MoBA keeps its per-block outputs) and its lse go to the entry's *slot*, its
-  place in row-major order, so that a row's slots are consecutive; a second launch merges each
-  row's slots by log-sum-exp in float32 (at most the largest number of groups a row selects).
-  At top-k 8 in bfloat16 that writes and reads 2 bytes per entry, head and dimension where the
-  passes read and write 4 + 4 per rank (about 18 GB against 35 GB at 128K for 32 heads of 128);
-  about 6% faster on an H100 for four times the extra memory (below), so ``passes`` stays the
-  default (``flex.gather_merge``; ``results/bench/speed-targets-h100-2026-12-05/README.md``).
-
-The work is exactly the selected pairs (plus the masked part of each row's current group), at
-the cost of gathering the query rows and of one float32 accumulator read and write per selected
-group and row (``passes``) or one partial write and read in the inputs' dtype (``entries``).
-Forward only. Memory beyond the inputs and the output: ``passes``, the accumulator (``4 * B * Hq *
-Sq * (D + 1)`` bytes: 2.2 GB at 128K tokens for 32 heads of 128) and the entries (``~24`` bytes
-each: 0.2 GB for 8.4M at 128K); ``entries``, the partials instead of the accumulator (``E * Hq /
-table heads * (2 * D + 4)`` bytes in 16-bit: about 8.7 GB at 128K for 32 heads of 128 at top-k 8,
-four times the accumulator: the price of its one launch).
+Computes what :mod:`elasticfw.kernels.block_sparse_attention` computes for a
+:class:`~elasticfw.attention.layout.RowSelection` with ``row_block = 1`` and no window, the other way
+round: per key group, the query rows that chose it (``moba_attn_varlen``), so the work is the
+selected pairs, not a tile's union. :func:`gather_plan` sorts the selected (row, group) entries
+into tiles (torch); ``merge="passes"`` (the default) runs one launch per rank and merges into
+float32 accumulators by log-sum-exp, ``merge="entries"`` (:func:`gather_entry_plan`) one launch of
+per-entry partials and a second that merges them. Forward only. Memory, measurements and the
+choice of the default: ``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

@@ -1,55 +1,14 @@
 """Fused MoBA token selection (Triton): gates, top-k and tile pooling without the sorts.
 
 Computes what ``plugins/modes/moba.py``'s token-granular planner computes with
-:func:`~elasticfw.attention.patterns.gate_scores`, its ``select_blocks`` (a
-:func:`~elasticfw.attention.patterns.topk_select`) and
-:func:`~elasticfw.attention.pattern_layouts.tile_union` (the definition, with its causality and
-tie rules, is that module's docstring), in one pass over the queries:
-
-* **Grid.** One program per (``TILES`` consecutive layout tiles, query head, sample); tile ``t``
-  holds positions ``(seq.q_block_start(bs)[b] + t) * bs + r``, ``r < bs``. One step holds
-  ``ROWS = max(16, ROWS_X_BLOCKS // N_PAD)`` row slots (at least the 16 rows ``tl.dot`` needs):
-  ``SUB = min(next_pow2(bs), ROWS)`` rows of each of ``TILES = ROWS // SUB`` tiles (slots past
-  ``bs`` are masked), and a tile longer than ``SUB`` takes several steps. With the
-  defaults (``bs`` 64, 128 MoBA blocks) a program is one tile of 64 rows; early tiles (fewer
-  blocks) and tiny tiles take several tiles per program. A row is *real* when it is one of the
-  call's query rows and its position is below ``kv_len``; the call's other rows (padding rows)
-  select nothing, and slots outside the call are not written.
-* **Gates.** ``q . mean(K_n)`` in float32: the query rows (read in place through their strides)
-  times the KV head's pooled means (B, Hkv, NMB, D) float32
-  (:func:`~elasticfw.attention.patterns.mean_pool_keys`, computed by the caller) over head-dim
-  chunks of ``BLOCK_D``. For float16 / bfloat16 queries each float32 mean is split into three
-  terms of the query's dtype (``m ~ hi + mid + lo``, each the rounded remainder of the last; 24
-  bits of mantissa in all for bfloat16), and the gate is three tensor-core products, each
-  exact in float32 and accumulated in float32; float32 queries take one ``tl.dot`` in IEEE
-  float32 (``input_precision="ieee"``, no TF32), which runs on CUDA cores and is several times
-  slower. Equal to ``gate_scores`` up to float32 rounding (summation order, and the split's
-  last bits). Only the means of
-  candidate blocks are read (``n`` below the largest current block of the rows).
-* **Selection.** ``current = min(position // moba_block_size, NMB - 1)`` is forced; candidates
-  are ``n < current``. ``min(top_k - 1, max current)`` rounds each add, per row, the remaining
-  candidate of highest gate, the lowest index among equal ones (a row max, then a min over the
-  indices reaching it), so ties go to the lower block as in ``topk_select``; a row with fewer
-  candidates than ``top_k - 1`` takes them all. ``top_k == 1`` computes no gates. Gates must not
-  be NaN (``topk_select`` would rank a NaN first; here it is never taken).
-* **Pooling.** The tile's union (any real row selects) and common part (every real row selects;
-  ``False`` for a tile without a real row) are reduced in registers over the row chunks and
-  written once, (B, Hq, NQB, NMB) bool each, exactly :func:`tile_union`'s first two results.
-
-``N_PAD`` (the padded MoBA-block width a program holds) is a launch constant: the host splits
-the layout rows into ranges whose rows' current blocks all fit in a power of two (one host read
-of the largest ``q_block_start``; one launch per range, at most ``log2(NMB / 16) + 1``), so
-early tiles hold 16 or 32 blocks, not all of them, and each program writes ``False`` to its
-rows' columns past ``N_PAD``. Beyond the inputs, memory is
-the outputs: ``selected`` (B, Hq, Sq, NMB) bool plus ``2*B*Hq*NQB*NMB`` bytes of union and
-common; nothing holds the (B, Hq, Sq, NMB) gates.
-
-:data:`ROWS_X_BLOCKS` (row slots per step), :data:`MEANS_PER_CHUNK` (the head-dim chunk) and
-:data:`NUM_WARPS` are module constants chosen for the register file, not tuned on a GPU; the
-whole layout at 128K (paper defaults, Hq 32) takes 10.1 ms on one H200
-(``results/bench/planners-triton/``). :func:`unsupported` says when the kernel cannot run (no Triton on the
-device, a dtype other than float16 / bfloat16 / float32, more than :data:`MAX_BLOCKS` MoBA
-blocks); callers then use the torch path.
+:func:`~elasticfw.attention.patterns.gate_scores`, :func:`~elasticfw.attention.selectors.topk_select`
+and :func:`~elasticfw.attention.pattern_layouts.tile_union`, in one pass over the queries: per real
+query row, float32 gates against the KV head's block means (computed by the caller), the current
+block forced and the ``top_k - 1`` best earlier blocks added (ties to the lower block), and each
+tile's union and common part written as (B, Hq, NQB, NMB) bool. Equal to the torch path up to the
+float32 summation order of the gates; padding rows select nothing; nothing holds the (B, Hq, Sq,
+NMB) gates. :func:`unsupported` says when the kernel cannot run (callers then use torch). Grid,
+precision and measurements: ``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

@@ -1,67 +1,15 @@
 """Fused NSA block importance (Triton): compressed-attention importance per layout tile, without
 the score matrix.
 
-Computes what ``NSAAttention.block_importance`` computes with ``query_granularity: block`` (the
-definition, with its validity, overlap and padding rules, is ``plugins/modes/nsa.py``'s module
-docstring): for every (sample, KV head, layout tile, key block), the sum over the tile's real
-query rows and over the group's query heads of each row's importance, where a row's importance
-of key block ``n`` is ``sum_m softmax_m(scale * q . c_m) * overlap(m, n)``, the softmax over the
-row's valid compressed keys (``m*stride + kernel <= position + 1``; windows past ``kv_len`` never
-are) and ``overlap`` counting the stride-sized sub-chunks ``m .. m + kernel/stride - 1`` of window
-``m`` that lie in block ``n``. Two passes over the ``rows x windows`` scores, never storing them:
-
-* **Compressed keys.** ``c = mean(k[m*stride : m*stride + kernel])`` is computed beforehand in
-  torch, in float32 (:func:`~elasticfw.attention.patterns.window_means`, as the mode does; cheap: ``S/stride``
-  keys per KV head). The kernels read it as ``SPLIT`` terms in the input dtype,
-  ``c ~ c_1 + c_2 (+ c_3)`` with ``c_1 = c`` rounded to the input dtype and each next term the
-  rounded remainder, so that ``q . c`` is a sum of ``SPLIT`` tensor-core products of 16-bit
-  operands (exact in float32) accumulated in float32. The split leaves a relative error of about
-  ``2^-9`` per element of ``c`` (bfloat16; ``2^-12`` float16) with one term, ``2^-18`` with two
-  (the default, :data:`SPLIT`) and float32 rounding with three. Float32 inputs take ``c`` itself
-  (one term) multiplied in IEEE float32 (``input_precision="ieee"``, no TF32).
-* **Rows.** A program holds ``BLOCK_M`` score rows: ``HP`` query heads of one KV group x ``RB``
-  whole layout tiles x ``next_pow2(block_size)`` positions (padded positions are masked), so the
-  group's heads share every load of ``c`` and a tile's rows and heads are summed in registers.
-  Query rows are read in place through ``q``'s strides; rows that are no real query (before
-  ``q_start``, past the call's rows, at or past ``kv_len``, or padding of the tile) and rows
-  without a valid window contribute nothing. A group of more than ``HP`` heads is walked in
-  ``ceil(group / HP)`` head chunks.
-* **Windows.** ``BLOCK_N`` windows per inner step, indexed as (key block, member) pairs padded to
-  ``next_pow2(block_size / stride)`` members, so that a step holds the windows that *start* in
-  ``BLOCK_N / next_pow2(block_size / stride)`` whole key blocks. Steps past the last window any
-  row of the program may see (the causal limit) are skipped. The leading steps whose every window
-  the program's earliest usable row sees (all but the last one or two at long contexts) run
-  without the causal mask and with unmasked key loads: rows that are not usable read a zero query
-  (and, in pass 2, a zero 1/sum), so they add nothing without a per-element test.
-* **Pass 1** (:func:`_stats_kernel`, one program per row tile x head chunk): the online maximum
-  and sum of ``exp2`` of the base-2 logits (``log2(e)`` folded into the scale) over each row's
-  valid windows; 8 bytes per query row and query head.
-* **Pass 2** (:func:`_importance_kernel`, one program per row tile and KV head, all the group's
-  head chunks): the same scores again, ``p = exp2(s - max) / sum``, summed over the rows of each
-  tile and the heads into one value per (tile, window); a window's sub-chunks are then mapped
-  onto key blocks with a constant (windows x blocks) overlap matrix. A window reaches at most
-  ``(bs/stride - 1 + kernel/stride - 1) // (bs/stride)`` blocks past the one it starts in, all
-  inside the next step's blocks (``BLOCK_N`` is chosen large enough), so each step finishes its
-  own blocks with the spill carried in from the previous step and carries its own spill to the
-  next. Each program owns its output rows: no atomics, a deterministic result.
-
-Memory beyond the inputs and the (B, Hkv, NQB, NKB) float32 output: the float32 compressed keys
-``4*B*Hkv*(S/stride)*d`` plus their ``SPLIT`` rounded terms, the float32 copy of ``k`` that the
-mean is taken from (``4*B*Hkv*S*d``, transient), and ``8*B*Hq*Sq`` bytes of row statistics. Nothing
-is quadratic in the sequence.
-
-Tile sizes, warps and pipeline stages are the module constants below, chosen by reasoning for
-Hopper (256-row tiles so that a GQA group of 4 at block 64 shares every key tile, 64 windows per
-step, 8 warps, 3 stages). On one H200 at 128K (paper defaults, Hq 32 / Hkv 8, bf16) the two
-passes took 53.5 ms (23.6 + 29.3) with 2 stages, the fastest of the four tile configurations timed
-then (128 x 64, 128 x 128 and 256 x 128 took 67.6, 72.7 and 53.8); ``split`` 1 takes 37.3 ms and 3
-63.3 (``results/bench/planners-triton/planner_timing.log``). 3 stages took them to 49.5 ms against 53.4
-(4 stages 49.8, 512 x 64 with 2 stages 48.1, 128 x 64 with 3 or 4 67.7-69.9; 256 x 128 with 3 does
-not fit Hopper's shared memory; ``results/bench/planner-tiles/nsa_tiles.json``). The public function takes ``block_m`` /
-``block_n`` / ``split`` overrides. :func:`unsupported` says when
-the kernels cannot run (no Triton on the device, a dtype other than float16 / bfloat16 /
-float32, a block above :data:`MAX_BLOCK`, a head dim above :data:`MAX_HEAD_DIM`); callers then
-use the torch reference.
+Computes what ``NSAAttention.block_importance`` computes with ``query_granularity: block``: per
+(sample, KV head, layout tile, key block), the sum over the tile's real query rows and the group's
+query heads of ``sum_m softmax_m(scale * q . c_m) * overlap(m, n)`` over each row's valid
+compressed keys ``c_m`` (window means, computed beforehand in torch). Two passes over the ``rows x
+windows`` scores (softmax statistics per row, then probabilities summed per tile and mapped onto
+key blocks), never storing them; ``q . c`` as ``SPLIT`` tensor-core products of 16-bit terms of
+``c`` (float32 inputs: IEEE float32). Each program owns its output rows: no atomics, a
+deterministic result, nothing quadratic in the sequence. :func:`unsupported` says when the kernels
+cannot run. Precision, memory and the tile measurements: ``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

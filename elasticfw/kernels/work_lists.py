@@ -1,40 +1,14 @@
 """The block-sparse kernel's work lists: which key chunks each query tile visits, planned before
 :mod:`elasticfw.kernels.block_sparse_attention` runs its kernel over them.
 
-Per (sample, table head, tile of ``BLOCK_M`` query rows), the key chunks of ``BLOCK_N`` keys the
-tile must visit, in two lists: *clean* chunks, which every row of the tile sees whole (selected by
-every row or inside every row's window, wholly at or before the tile's first position and below
-``kv_len``: no mask at all), and *masked* chunks, the rest of what the tile's rows see, up to its
-causal limit and ``kv_len`` (masked by the rows' flags and window, causality and ``kv_len``). So a
-tile computes only what its rows select, and evaluates no mask function.
-
-:func:`work_lists` is the definition (torch). It gathers the tile's flag rows into a (B, H, tiles,
-span, groups) tensor, reduces it, and compacts two (B, H, tiles, chunks) masks with
-:func:`~elasticfw.attention.layout.index_lists` (a cumulative sum and a scatter, not a sort): at
-128K tokens, 32 table heads and 64-row tiles that is several passes over 134M-entry tensors.
-
-:func:`work_lists_triton` computes the same lists with one program per (tile, table head, sample):
-it reads the tile's flag rows once, ``CHUNKS`` chunks at a time, and writes each list compacted
-(a prefix sum within the step and a running offset). Output: the same four tensors, equal to the
-definition's (entries past a list's count are 0, as there).
-
-Memory: the two lists, dense, ``2 * 4 * B * H * (Sq / BLOCK_M) * (Sk / BLOCK_N)`` bytes
-(:func:`dense_list_bytes`; at 128K tokens for 32 table heads and 128-row tiles, 0.27 GB with
-128-key chunks, 0.54 GB with 64-key ones; 1.07 GB with the 64-row tiles of 64-token layouts), and,
-with the torch builder, its boolean temporaries. Dense lists grow with the square of the sequence
-(about 69 GB at 1M tokens for 64-token layouts of 32 heads), so above :data:`COMPACT_LISTS_ABOVE`
-bytes :func:`plan_work` builds the compact form (:class:`WorkPlan`): 4 bytes per visited (tile,
-chunk) and 16 per tile. The compact form (:func:`compact_lists`, the definition;
-:func:`work_lists_triton_compact`, two launches: the counts, then the entries from their prefix
-sum) keeps only the listed chunks, one flat list with a start offset per tile.
-
-:func:`plan_work` (what the kernel calls without a plan, and what the flex executor keeps for a
-reusable layout) uses the Triton builders while :data:`TRITON_WORK_LISTS` is on (the default). On
-one H200 at 128K (Llama-3.1-8B shape, structured inputs, 64-row tiles) it built XAttention's lists
-in 0.99 ms against torch's 10.0, NSA's in 0.31 against 3.0, MoBA's in 2.9 against 4.8 and
-streaming's in 0.15 against 1.9, entry for entry the same
-(``results/bench/work-lists-triton/kernel_timing.json``). It is tested against the definition
-under Triton's interpreter and at 32K on a GPU.
+Per (sample, table head, tile of ``BLOCK_M`` query rows): *clean* chunks of ``BLOCK_N`` keys, which
+every row of the tile sees whole (no mask at all), and *masked* chunks, the rest of what its rows
+see. :func:`work_lists` is the definition (torch); :func:`work_lists_triton` builds the same lists
+in one launch. Dense lists grow with the square of the sequence, so above
+:data:`COMPACT_LISTS_ABOVE` bytes :func:`plan_work` builds the compact form (:class:`WorkPlan`: one
+flat list with a start offset per tile; :func:`compact_lists`, :func:`work_lists_triton_compact`).
+:func:`plan_work` uses the Triton builders while :data:`TRITON_WORK_LISTS` is on. Memory and
+measurements: ``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

@@ -1,51 +1,14 @@
 """Fused XAttention antidiagonal estimate (Triton): the block mass without the score matrix.
 
-Computes what :func:`elasticfw.attention.patterns.iter_antidiagonal_mass` computes (the
-definition, with its grid, padding and causality rules, is ``plugins/modes/xattention.py``'s
-module docstring) in two passes over the strided score matrix, never storing it:
-
-* **Scores.** For strided query row ``m`` and strided key ``n`` (stride ``S``)::
-
-      A[m, n] = sum_{i<S} q[m*S + i] . k[n*S + S-1-i]
-
-  is a sum of ``S`` matrix products per tile of ``BLOCK_M`` strided rows x ``BLOCK_N`` strided
-  keys: step ``i`` loads query rows ``m*S + i`` (every ``S``-th row of ``q``, read in place
-  through its strides) and key rows ``n*S + S-1-i``, and adds their ``tl.dot`` into a float32
-  accumulator. The inputs stay in their dtype: products of bfloat16 or float16 values are exact
-  in float32, and float32 inputs are multiplied in IEEE float32 (``input_precision="ieee"``, no
-  TF32). Query rows that hold no real query of the sample (before ``q_start``, past the call's
-  rows or at or past ``kv_len``) and keys at or past ``kv_len`` are loaded as zero vectors, like
-  the reference's zeroed grid rows and keys (zero keys are *not* masked out of the softmax).
-* **Pass 1** (:func:`_stats_kernel`, one program per ``BLOCK_M`` strided rows): the online
-  maximum and sum of ``exp`` of ``A * scale / S`` over the strided-causal keys ``n <= m``.
-* **Pass 2** (:func:`_mass_kernel`, one program per ``BLOCK_M`` rows x ``BLOCK_N`` keys):
-  the same tile again, ``p = exp(s - max) / sum``, zero for rows without a real query, summed
-  into ``(block/S) x (block/S)`` cells and written to ``mass`` (B, Hq, rows, NKB) float32. Each
-  program owns whole query blocks x key blocks, so there are no atomics.
-
-* **One pass** (:func:`_single_pass_kernel`, the default, :data:`PASSES` = 1; one program per
-  ``BLOCK_M`` strided rows of a chunk): each score tile is computed once. With the running
-  maximum ``m_kt`` after key tile ``kt``, each row's ``exp(s - m_kt)`` summed per key block is
-  kept in a float32 scratch, with ``m_kt``; once the row's final maximum ``M`` and sum ``L`` are
-  known, the same program reads its sums back, scales them by ``exp(m_kt - M) / L``, sums them
-  over each query block's rows and writes ``mass``. It computes what the two passes compute with
-  half the matrix products, at the price of a scratch of ``4*B*Hq*(C/S)*NKB`` bytes per chunk of
-  ``C`` positions (268 MB at 128K with the default 16K chunks, Hq 32, block 64, stride 16).
-
-Rows and keys are indexed within a tile as (block, member) pairs padded to a power of two
-(``GROUP_PAD = next_pow2(block/S)``), so a tile always holds whole blocks and the cell sums are
-a reshape; when ``block/S`` is a power of two (the defaults: 64/16 = 4) nothing is padded.
-With two passes, pass 1 runs once for all layout rows (its statistics are 8 bytes per strided
-row and query head) and pass 2 per chunk of ``chunk_size`` positions, which bounds the ``mass``
-it returns; the single pass runs per chunk.
-Beyond the inputs, memory is one chunk's mass ``4*B*Hq*(C/bs)*NKB`` plus ``8*B*Hq*NQB*bs/S``
-bytes of row statistics (two passes) or the chunk's scratch (one pass); nothing is quadratic in
-the sequence at a fixed chunk size.
-
-Tile sizes, warps and pipeline stages are the module constants below (chosen for Hopper; tune
-them there). :func:`unsupported` says when the kernels cannot run (no Triton on the device, a
-dtype other than float16 / bfloat16 / float32, ``block/S`` above :data:`MAX_GROUP`, head dim
-above :data:`MAX_HEAD_DIM`); callers then use the torch reference.
+Computes what :func:`elasticfw.attention.patterns.iter_antidiagonal_mass` computes (the definition:
+``plugins/modes/xattention.py``) without storing the strided scores ``A[m, n] = sum_{i<S} q[m*S +
+i] . k[n*S + S-1-i]``: in one pass by default (:data:`PASSES` = 1: each row's block sums kept
+relative to its running maximum in a float32 scratch, rescaled once the row is done) or in two
+(softmax statistics, then the mass). Inputs stay in their dtype (16-bit products are exact in
+float32; float32 inputs multiply in IEEE float32); rows without a real query and keys past
+``kv_len`` are zero vectors, as in the reference. Each program owns whole blocks (no atomics);
+per chunk of positions nothing is quadratic in the sequence. :func:`unsupported` says when the
+kernels cannot run. Passes, memory and tiles: ``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

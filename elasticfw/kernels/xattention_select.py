@@ -1,30 +1,13 @@
 """XAttention's threshold selection (Triton): ``select_blocks`` without a sort.
 
-Computes ``plugins/modes/xattention.py``'s :func:`select_blocks` (itself
-:func:`~elasticfw.attention.patterns.threshold_select` over the causal blocks with key block 0
-and the diagonal forced). One program takes ``ROWS`` rows of one (sample, head): the row's
-causal masses (``n <= row_block``), their total and the forced blocks' mass, then the kept
-candidates without sorting them.
-
-With ``above(u)`` = the forced mass plus the candidates whose float32 bit pattern exceeds ``u``
-(non-increasing in ``u``; masses are non-negative, and non-negative float32 bit patterns order
-like the floats; the row total at ``u = -1``), a bisection over ``u`` (31 steps, one masked row
-sum each) finds the least ``u*`` with ``above(u*) < threshold * total``. ``u*`` is the bit
-pattern of some candidate (``above`` only changes there), and in descending order of mass (ties
-to the lower index, the reference's order):
-
-* every candidate above level ``u*`` is kept (the running sum after it is at most ``above(u*)``);
-* every candidate below it is not (its running sum is at least ``above(u* - 1)``);
-* the ``r``-th candidate of level ``u*`` by index is kept iff ``above(u*) + r * mass < threshold
-  * total``, the running sum the sort would give it.
-
-So the kept set is the sorted selection's. (A bitonic-sort kernel took 8.55 ms against 1.24 at
-128K on one H200, ``results/bench/planners-triton/xa_timing.log``, and was removed.)
-
-Equal to the torch selector up to float32 rounding of the row total and the running sums
-(summation order): only a block whose running sum lies within rounding of ``threshold * total``
-can be decided differently, as between the torch selector on a CPU and on a GPU. ``threshold >= 1``
-keeps every causal block (no kernel). Masses must be non-negative and not NaN.
+Computes ``plugins/modes/xattention.py``'s :func:`select_blocks` (a
+:func:`~elasticfw.attention.selectors.threshold_select` over the causal blocks with key block 0 and
+the diagonal forced): per row, a 31-step bisection over the masses' float32 bit patterns finds the
+level at which the kept mass crosses ``threshold * total``, and the kept set is the sorted
+selection's (ties to the lower index). Equal to the torch selector up to float32 rounding of the
+row total and the running sums. ``threshold >= 1`` keeps every causal block (no kernel). Masses
+must be non-negative and not NaN. Why the bisection is exact, and the sort it replaced:
+``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

@@ -4,19 +4,13 @@
     <dir>/elastic_config.json           elasticfw version, base model name, model_type, head
                                         layout, the recipe's elastic section, router extra state
 
-Saving is atomic: both files are written into a temporary sibling folder that is then swapped
-in, so a crash leaves the previous adapter (or none), never half of one; an existing non-empty
-folder is replaced only with ``overwrite=True``, and only if it holds nothing but an adapter.
-
-Loading is transactional: every check (JSON keys and types, base model, architecture and head
-layout, the weights file's integrity, tensor names, shapes and finiteness) either passes or
-raises :class:`~elasticfw.errors.CheckpointError` naming the file and what is wrong, and a
-failed load leaves the model exactly as it was (not wrapped, its attention implementation,
-``requires_grad`` flags and train/eval modes restored). Nothing is unpickled.
-
-The format, :func:`save_adapter` and :func:`read_adapter_config` are defined in
-:mod:`elasticfw.model.adapter_files` (which :class:`~elasticfw.model.elastic.ElasticModel` uses to
-save) and importable from here; this module loads an adapter onto a model.
+This module loads an adapter onto a model (:func:`load_adapter`); the format, atomic saving
+(:func:`save_adapter`) and reading the config (:func:`read_adapter_config`) are
+:mod:`elasticfw.model.adapter_files`'s, importable from here too. Loading is transactional: every
+check (JSON keys and types, base model, architecture and head layout, the weights file's
+integrity, tensor names, shapes and finiteness) either passes or raises
+:class:`~elasticfw.errors.CheckpointError` naming the file and what is wrong, and a failed load
+leaves the model exactly as it was. Nothing is unpickled.
 """
 
 from __future__ import annotations

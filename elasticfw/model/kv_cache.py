@@ -1,43 +1,18 @@
 """A compact KV cache for elastic models: each sample's sparse heads keep only what their mode can
 still read at decode.
 
-Routing is decided at prefill and held for the whole sequence, so after the prefill a head routed
-to a mode that declares :meth:`~elasticfw.attention.mode.AttentionMode.decode_keep` (streaming:
-its sink and its window) never reads its other keys again. :class:`ElasticKVCache` is a
-transformers :class:`~transformers.cache_utils.Cache` (pass it as ``cache=`` to ``generate`` or to
-a forward, or set ``elastic.kv_cache: compact`` and let :meth:`ElasticModel.generate
-<elasticfw.model.elastic.ElasticModel.generate>` make one) that, right after a routed layer's
-prefill attention, moves that layer's keys and values into per-mode stores:
-
-* **Storage: one store per (layer, mode).** The (sample, KV head) pairs of a layer routed to one
-  mode share one ``(pairs, slots, head_dim)`` tensor, so heads of one layer with different
-  lengths waste no padding on one another and the routing may differ per sample. A mode without a
-  declaration (full attention, XAttention, MoBA, NSA) gets a *full* store: slot ``j`` holds
-  position ``j``, grown in chunks of ``growth_tokens`` (amortised: no step copies the cache). A
-  mode with a :class:`~elasticfw.attention.mode.DecodeKeep` gets a *compact* store of at most
-  ``sink + local`` slots: the sink tokens in slots ``[0, sink)`` and a ring of ``local`` slots for
-  the window (position ``j >= sink`` in slot ``sink + (j - sink) % local``), each slot tagged with
-  the position it holds.
-* **Coordinates.** Stores are in elasticfw's canonical coordinates (:mod:`elasticfw.attention.seq`):
-  a sample's keys are its real tokens only, so left padding costs nothing and a compact head of a
-  short sample holds its own sink and window.
-* **Decode attention without copying the cache.** The new token's keys are written in place; a
-  full store runs its mode through the executor over a view of the store (its pairs as the
-  batch, one KV head each, their query heads as the group); a compact store runs a plain softmax
-  over the slots :meth:`DecodeKeep.visible` marks — what the mode declared it reads, so no layout
-  is needed. Greedy generation therefore equals generation with the full cache for the same
-  routing, up to floating-point summation order (the same keys, fewer of them in the sum).
-* **What is not compacted:** layers that are not routed and layers the backbone runs with a native
-  sliding window (transformers' own layers, already bounded), and every layer while the router
-  is training (the mixing forward needs both modes of every head: refused).
-
-The handshake with the attention function: transformers' attention modules call
-``cache.update(k, v, layer_idx)`` and hand the result straight to the attention interface. A
-compacted layer's ``update`` keeps the new keys and values, returns them unchanged as tokens, and
-tells the runtime (``runtime.kv_handoff``) that the attention call that follows is its own; the
-runtime then lets the layer run the decode attention (:meth:`ElasticKVLayer.attend`). Beam search,
-assisted decoding and cache cropping need the evicted keys back and are refused once a layer is
-compacted; chunks of several tokens after the prefill are supported.
+Routing is decided at prefill and held, so a head routed to a mode that declares
+:meth:`~elasticfw.attention.mode.AttentionMode.decode_keep` (streaming: its sink and its window)
+never reads its other keys again. :class:`ElasticKVCache` is a transformers
+:class:`~transformers.cache_utils.Cache` (``cache=`` of ``generate`` or a forward, or
+``elastic.kv_cache: compact``) that moves a routed layer's keys and values, right after its
+prefill attention, into one store per (layer, mode) in canonical coordinates: a *full* store
+(slot ``j`` holds position ``j``) or a *compact* one of ``sink + local`` slots (the sink, then a
+ring for the window). Decode attention reads the stores in place, so greedy generation equals the
+full cache's for the same routing, up to summation order. Layers not routed, native
+sliding-window layers and training are not compacted; beam search, assisted decoding and cropping
+are refused once a layer is. Storage and the handshake with the attention function in detail:
+``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

@@ -1,50 +1,15 @@
 """Load a recipe: YAML (data only) → inheritance through ``base:`` → ``key=value`` overrides →
 interpolation, with OmegaConf. Validation is :mod:`elasticfw.recipe.schema`'s job.
 
-A recipe file may name one or more base files::
-
-    base: _base/passkey.yaml        # or a list, merged left to right
-    elastic:
-      sparse_mode: {name: streaming, sink_tokens: 64}
-
-A relative base path is looked for, in order, (1) relative to the folder of the file that names
-it, (2) relative to each folder of the ``ELASTICFW_RECIPE_PATH`` environment variable (folders
-separated by ``os.pathsep``, ``:`` on Linux and macOS), (3) among the recipes shipped inside the
-installed package (``elasticfw/recipes/``); the first file that exists is read. An absolute path
-is read as it is; ``elasticfw:NAME`` names only a recipe shipped with elasticfw
-(``elasticfw:demo.yaml``), and so does a recipe path given as ``elasticfw:NAME`` to
-:func:`load_recipe_dict`. :func:`resolve_recipe_bases` returns a recipe with its bases merged in,
-which ``elasticfw recipe resolve`` writes as a self-contained file.
-
-A plugin section (``elastic.sparse_mode``, ``elastic.router``, ``eval.task`` ...) is *replaced*,
-not merged, when the overriding file names a different plugin: parameters of one plugin never
-leak into another's. (``model:`` also has a ``name:`` but is an ordinary section: it merges.)
-The same holds for an override ``elastic.sparse_mode.name=full`` (parameter overrides of the
-new plugin go after it).
-
-YAML is read as data only: no tags (``!!python/...`` is refused, never constructed), and a key
-given twice in one mapping is an error rather than a silent last-one-wins.
-
-Whatever is given, reading refuses bad input with one :class:`~elasticfw.errors.RecipeError`
-line, never a raw exception, a hang or unbounded memory. The limits (all far above what a recipe
-needs; a shipped recipe has a few hundred values, nested five levels):
-
-* a recipe or ``base:`` file: a regular file of at most :data:`MAX_RECIPE_BYTES`, UTF-8 text;
-* an override ``key=value``: at most :data:`MAX_OVERRIDE_CHARS` characters;
-* lists and mappings nested at most :data:`MAX_DEPTH` levels (the recipe's top mapping is one;
-  an override's key parts count as levels too);
-* at most :data:`MAX_VALUES` values (scalars, lists and mappings) in one YAML text, counting what
-  aliases (``*name``) repeat of their anchors (``&name``), so an alias bomb ("billion laughs")
-  is refused while it is read; an alias inside its own anchor is refused too;
-* ``base:`` chains at most :data:`MAX_BASE_CHAIN` files deep, :data:`MAX_BASE_FILES` files in all;
-* once ``${...}`` interpolations are resolved, the recipe may hold at most :data:`MAX_VALUES`
-  values and :data:`MAX_RESOLVED_CHARS` characters of text, nested at most :data:`MAX_DEPTH`
-  levels, and an interpolation may refer through at most :data:`MAX_INTERPOLATION_CHAIN` other
-  interpolations: these are checked before OmegaConf resolves anything, so an interpolation
-  bomb (``b: ["${a}", "${a}"]``, ``c: ["${b}", "${b}"]``, ...) is refused, not expanded.
-
-Values shown in messages are cut to :data:`SHOWN_CHARS` characters (:func:`shorten`). The limits
-and the reading of files live in :mod:`elasticfw.recipe.yaml_files`.
+A relative ``base:`` path (one file, or a list merged left to right) is looked for next to the
+file that names it, then in each folder of ``ELASTICFW_RECIPE_PATH``, then among the recipes
+shipped in the package; ``elasticfw:NAME`` names a shipped recipe only. A plugin section that
+names a different plugin replaces the base's (:mod:`elasticfw.recipe.sections`). YAML is data only:
+no tags, no key given twice. Bad input of any kind is refused with one
+:class:`~elasticfw.errors.RecipeError` line, never a raw exception, a hang or unbounded memory:
+file sizes, nesting, values (aliases counted), ``base:`` chains and resolved interpolations are
+bounded by the limits of :mod:`elasticfw.recipe.yaml_files`. The rules in full:
+``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

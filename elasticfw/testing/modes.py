@@ -17,36 +17,12 @@ A plugin package tests its mode by subclassing :class:`ModeConformance` in a pyt
         def side_reference(q, k, v, seq, config):   # its extra keys, values and visibility
             ...                                     # -> (B, Hkv, M, D), (B, Hkv, M, D), (B, Hq, Sq, M)
 
-elasticfw runs the same class over every registered mode. Every check compares against an
-independent definition: plain causal SDPA (dense limit), the token-level reference the test
-author writes (never the plugin's own layout code), direct counting of a dense mask (density),
-and the reference executor (other executors: outputs, log-sum-exps and q/k/v gradients).
-Outputs and log-sum-exps are checked at the default attention scale and at scales that are not
-the default (:data:`SCALES`), so an executor that ignores or re-derives ``scale`` fails.
-
-To test several configurations of one mode (e.g. a granularity switch, an optional branch),
-subclass once per configuration with its own ``small_config``.
-
-**Causality levels.** Every mode is causal in its *mask*: no query ever reads a key after its own
-position (the executors enforce ``key <= position``). What differs is what the *selection* may
-look at. A test class declares its mode's level in ``causality``; ``test_causality`` checks that
-level by changing every query, key and value from a cut position on and comparing the outputs
-before the cut:
-
-* ``"token"`` (strict): a row's output depends on no token after it, selection included
-  (streaming, per-token MoBA and NSA). Cut at a token; outputs before it must not change.
-* ``"block"``: a row's output depends on no token after the end of its own query block (the
-  selection scores the whole block: XAttention, block-granular MoBA and NSA). Cut at the next
-  block's first position.
-* ``"prompt"``: the selection may depend on the whole prompt (estimators that use the last
-  queries, e.g. MInference's vertical-slash), so earlier outputs *may* change when later tokens
-  change; what such a mode guarantees is that, for a given selection, a row reads nothing after
-  its position. Checked with the layout fixed: for the layouts the mode builds from the original
-  and from the changed inputs alike, running both inputs through the same layout (and the mode's
-  side branch) must give the same outputs before the cut.
-
-Stricter levels imply the weaker checks. ``causality`` left at ``None`` follows the older
-switch ``token_causal`` (``True``: ``"token"``, ``False``: ``"block"``).
+Every check compares against an independent definition (causal SDPA, the author's token-level
+reference, a dense mask's counts, the reference executor), at the default attention scale and
+others (:data:`SCALES`); subclass once per configuration to test several. ``causality`` declares
+what a mode's selection may look at: ``"token"`` (nothing after the row), ``"block"`` (nothing
+after the row's query block) or ``"prompt"`` (the whole prompt; checked with the layout fixed).
+The checks and the levels in full: ``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations
