@@ -1,44 +1,15 @@
 """FlexAttention executor: one block-sparse launch for all heads of a layer.
 
-Source: PyTorch FlexAttention (He et al., 2024, arXiv 2412.05496;
-``torch.nn.attention.flex_attention``). The layout is converted to a ``BlockMask`` with
-``BlockMask.from_kv_blocks`` (never an S x S mask) by :func:`elasticfw.attention.flex_mask.
-to_block_mask`, which also pads each sample's queries so that unaligned query positions (decode,
-chunked prefill) land on the kernel's tile grid; see that module for the conversion.
-
-Implementations (``implementation``):
-
-* ``compiled`` — ``torch.compile(flex_attention)``: the fused Triton kernel, forward and
-  backward. ``auto`` picks it on CUDA.
-* ``emulated`` — plain PyTorch that computes exactly what the compiled kernel computes from the
-  same ``BlockMask`` (full tiles whole, ``mask_mod`` inside partial tiles, nothing elsewhere), in
-  float32, in query-row chunks (O(chunk x S) memory). Differentiable on any device. ``auto``
-  picks it on CPU, where FlexAttention has no backward at all (torch 2.11-2.13 raise
-  "FlexAttention does not support backward on CPU"); it is what CI runs, and it checks the
-  block lists the GPU kernel will read.
-* ``eager`` — uncompiled ``flex_attention``: PyTorch's reference path, which ignores the block
-  lists, evaluates ``mask_mod`` on all S x S pairs (the executor then puts the layout's block
-  table into ``mask_mod``) and materialises the scores (O(S^2) memory). Forward only on CPU.
-
-Recompilation policy (compiled): one ``torch.compile(flex_attention, fullgraph=True,
-dynamic=False)`` per process (per ``dynamic``/``compile_mode`` pair), shared by every executor.
-Shapes are made rare: the padded query and key lengths are rounded up to a multiple of the
-kernel block size and to one of ``bucket_steps_per_octave`` geometric buckets per power of two
-(at most 1/8 extra rows by default; padded tiles hold no blocks, so they cost memory traffic,
-not attention FLOPs). ``mask_mod`` captures only per-sample tensors and the layout's tables, so
-changing their values never recompiles; a new bucket, batch size, head count, dtype, or a new
-mode's token mask does. Each call runs under ``torch._dynamo.config.patch(recompile_limit=
-recompile_limit, fail_on_recompile_limit_hit=True)``, so running out of cache entries is a loud
-:class:`~elasticfw.errors.BackendUnavailableError` instead of Dynamo's silent fallback to the
-eager O(S^2)-memory path. Both config keys exist in torch 2.11 and 2.13.
-
-Kernel block size: the BlockMask tile is ``kernel_block_size`` (default: 128 when it divides or is
-a multiple of the layout's block size, else the layout's). 128 is what FlexAttention's default
-CUDA kernel configurations need on Hopper (forward BLOCK_M 128; backward BLOCK_N1 128 for head
-dim 128 on sm90 in torch 2.11-2.13): a 64-token layout is coarsened exactly (a sub-block lookup
-in ``mask_mod``). Other sizes need explicit ``kernel_options`` on CUDA, and for the backward
-also ``compile_mode: max-autotune-no-cudagraphs`` (torch 2.11-2.13 drop the default backward
-configuration whose tiles do not divide the block size before ``kernel_options`` apply).
+Source: PyTorch FlexAttention (He et al., 2024, arXiv 2412.05496). The layout becomes a
+``BlockMask`` (``BlockMask.from_kv_blocks``, never an S x S mask) through
+:func:`elasticfw.attention.flex_mask.to_block_mask`. ``implementation``: ``compiled``
+(``torch.compile(flex_attention)``, forward and backward; ``auto`` on CUDA), ``emulated`` (plain
+PyTorch computing exactly what the compiled kernel computes from the same BlockMask,
+differentiable anywhere; ``auto`` on CPU) or ``eager`` (PyTorch's O(S^2) reference path). One
+compiled function per process; padded lengths are bucketed so that shapes rarely recompile, and
+running out of Dynamo's recompile budget raises :class:`~elasticfw.errors.BackendUnavailableError`
+instead of falling back silently. The BlockMask tile is 128 where it fits the layout's block size.
+The recompilation policy and the kernel block size in detail: ``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

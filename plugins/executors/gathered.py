@@ -1,50 +1,15 @@
 """The split executor's gathered path: exact attention over a block layout with SDPA, over only the
-key blocks the queries use (the CPU's sparse path). Three forms, each where it costs least:
+key blocks the queries use (the CPU's sparse path).
 
-* **chunks** (the general form, below): per chunk of query rows, the key blocks any row, head or
-  sample of the chunk computes, with an exact mask. Its cost follows the union of the chunk's
-  blocks: a layout shared by every head (streaming) costs its window, but heads choosing different
-  blocks (XAttention) make the union most of the causal blocks.
-* **block rows** (:func:`block_rows_attention`), for queries on the block grid without token mask
-  at inference: every (sample, head, query block) over exactly its own key blocks, the query
-  blocks of one block count in one SDPA call (their key blocks gathered; one causal mask on the
-  last block, the diagonal). Taken when the chunks would compute more than
-  :data:`BLOCK_ROWS_COST` times its tiles (:func:`chunked_and_exact_tiles`, counted on the host).
-  On the 2-core CPU machine at the default model's shape (B 4, 9 / 3 heads, 1,440 tokens, 64-token
-  blocks; ``tools/cpu_layer_timing.py``) an XAttention layer's attention went from 124 to 77 ms
-  (full attention: 90), while a streaming layer (sink 64, window 256) took 79 ms this way against
-  50 in chunks: gathering K/V per query block and 64-row SDPA calls cost about 1.2-2.2x a chunk's
-  per tile. 1.6 sends the first to block rows and keeps the second in chunks.
-* **one row** (:func:`one_row_attention`), for a decode step without token mask at inference
-  whose rows read at least half the key blocks: two matmuls over every key (each KV head's query
-  heads at once, no copy), the blocks not computed masked in the scores. An XAttention decode
-  step there: 0.73 ms against 1.06 in chunks (dense SDPA: 0.46).
-* **shared decode**: a decode step of a host-dense batch (its query is the last key, so every key
-  is causal) whose blocks are one pattern for every head and sample, without token mask (a
-  streaming layout at block granularity): the selected blocks' keys (:func:`gather_keys`: views
-  for one run, else one copy) and one unmasked SDPA call, no mask tensor.
-
-Per chunk of ``query_chunk`` rows: the key blocks any row of the chunk computes (for any head and
-sample) are gathered (:func:`gather_keys`: views for one run of blocks, else one slice per run), and
-one SDPA call attends the chunk's rows over them with the exact mask: the layout's blocks for each
-row, causality, and the layout's token mask. The mask is built as SDPA's *additive* float mask
-(0 kept, ``-inf`` dropped) in these steps, each over the smallest tensor that needs it:
-
-* the rows' block flags over the gathered blocks, (B or 1, H, R, U) booleans, written once into
-  the float mask (R rows x U blocks x block size), broadcast over each block's keys;
-* causality only on the blocks that can hold a key after some row of the chunk (a suffix of the
-  gathered blocks: the chunk's diagonal);
-* the token mask, if any, over the whole mask;
-* rows that see no key (known at block level without a token mask): one key kept for SDPA, their
-  result zeroed.
-
-SDPA would convert a 4-D bool mask into a fresh float tensor itself: on the 2-core CPU machine a
-dense masked layer at the default model's shape (B 4, 9 heads, 1,440 tokens) took 297.8 ms with a
-bool mask against 182.5 with a float mask written into a reused buffer, conversion included
-(``tools/cpu_layer_timing.py --sdpa-masks``, ``results/bench/cpu-layers-sdpa-masks/cpu_layers.json``). So at
-inference the float mask is written into one buffer (:class:`MaskBuffer`) that the executor keeps
-across chunks, layers and calls (autograd calls allocate theirs: their masks are kept for the
-backward pass).
+Four forms, each where it costs least: **chunks** (the general one: per chunk of query rows, the
+key blocks any row computes, gathered, under an exact additive mask), **block rows**
+(:func:`block_rows_attention`: each query block over exactly its own key blocks, taken where the
+chunks would compute more than :data:`BLOCK_ROWS_COST` times its tiles), **one row**
+(:func:`one_row_attention`: a decode step reading at least half the blocks, two matmuls over every
+key) and **shared decode** (one block pattern for every head and sample: the selected keys, one
+unmasked call). At inference the float mask is written into one reused buffer
+(:class:`MaskBuffer`). How the mask is built, the thresholds and their CPU measurements:
+``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

@@ -1,67 +1,16 @@
 """Split executor: each group of heads through the fastest kernel that computes it exactly.
 
-A layer under Elastic Attention has two kinds of heads: the retrieval mode's (usually full
-attention: a dense causal layout) and the sparse mode's. One block-sparse launch over both
-(the ``flex`` executor) runs the full heads through FlexAttention, which is slower than the best
-dense kernel (ALGORITHMS.md §4: on an H200 at 128K, cuDNN SDPA 253 ms vs Flex dense 343 ms). This
-executor composes kernels instead:
-
-* **Dense causal heads** (a layout with ``dense_causal``, on a plain prefill: ``q_start == 0``
-  and ``q_len == kv_capacity``, without a log-sum-exp asked for) run through dense causal
-  ``scaled_dot_product_attention``. On CUDA ``dense_backend: auto`` prefers cuDNN, then
-  FlashAttention-2, memory-efficient and math (``sdpa_kernel(..., set_priority=True)``): the
-  first that accepts the inputs runs; naming one backend pins it (an error if it cannot run).
-  ``flash_attn`` calls the ``flash-attn`` package's ``flash_attn_func`` (opt-in; measured slower
-  than cuDNN on Hopper for FA2). A layer whose heads are all full (MSR 0, or a layer not
-  routed) therefore costs one dense SDPA call: no mask, no BlockMask.
-* **Every other layout** runs through the sparse path: ``flex`` (the registered ``flex``
-  executor with the ``flex`` options here; ``sparse: auto`` picks it on CUDA) or ``gathered``
-  (``auto`` elsewhere): per chunk of ``query_chunk`` query rows, the union of the key blocks any
-  head of the chunk computes is gathered and SDPA runs over those keys only, with the exact mask
-  (causality, the layout's blocks and token mask) built for the gathered columns. Its cost
-  follows the layout's density, so on a CPU a streaming layer is cheaper than a full one (the
-  ``sdpa`` executor masks all S keys for every row). The keys are copied as one slice per run of
-  consecutive blocks (sink and local window: two); a chunk whose blocks form one run (every key
-  up to the chunk, or one window) uses views.
-
-**Decode steps** (one query per sample at the last position, no key padding, known on the host
-through :meth:`~elasticfw.attention.seq.SeqInfo.host_signature`): dense causal heads are one
-unmasked SDPA call over every key (on CUDA without cuDNN, which re-plans for every new key
-length), and the other layouts take ``decode_sparse``: under ``auto`` (the default) the Triton
-decode kernel on CUDA (:mod:`elasticfw.kernels.decode_attention`; a routed layer's step is one
-launch over both layouts' heads, without reading the device), elsewhere ``gathered``: the query
-row is never padded to a 128-row FlexAttention tile, and only the key blocks it reads (a
-streaming head's sink and window) are gathered. A routed step there, on a CPU, whose sparse layout
-has no token mask is one SDPA call over every head and key, the sparse heads' other keys masked by
-an additive mask (:func:`~elasticfw_plugins.executors.gathered.decode_key_bias`; built once per
-step for a layout the runtime shares across layers, ``reusable``, and per layer otherwise), while
-that call attends at most ``gathered.MASKED_DECODE_PAIRS`` pairs the layout drops (counted first,
-without building the mask): at short contexts two calls' fixed costs outweigh the keys the second
-one skips. The bound was measured on a CPU; on CUDA (``decode_sparse: gathered`` pinned) the two
-calls run.
-
-Routed layers (:meth:`attend_routed`): when exactly one of the two layouts is dense causal, the
-call is a plain prefill or such a decode step, no log-sum-exp is asked for, every sample of the
-batch has the same routing and the dense heads form whole GQA groups, the dense heads run through
-the dense kernel and the other heads through the sparse path; otherwise the call falls back to the default one
-launch over the per-head combination through the sparse path (batches whose samples are routed
-differently, chunked prefill and padded decode steps, calls that need the log-sum-exp, e.g. NSA's
-compressed branch). What is copied in the split:
-
-* the dense group's q heads and K/V heads: views when they are a contiguous range of heads (the
-  usual case: a fixed router keeping the first heads full), else a gather of only that group;
-* nothing for the sparse group: it runs over all heads and all of K/V, with the dense heads'
-  rows emptied (an empty row costs no tile), so the compiled FlexAttention kernel sees one shape
-  whatever the routing (no recompilation per number of sparse heads). On the flex path the
-  sparse layout is converted to a BlockMask as it is (often one head, shared) and the dense
-  heads' block counts are then set to zero (``restrict_heads``); the gathered path selects per
-  head in the layout;
-* the output: the sparse launch's (B, Hq, Sq, D) result with the dense heads' rows replaced by
-  the dense kernel's: in place at inference (a write of the dense heads' rows only), out of
-  place when gradients flow (autograd keeps the sparse launch's output).
-
-Gradients flow through both groups (SDPA and FlexAttention have backward passes; the gathered
-path is plain differentiable PyTorch).
+A routed layer has dense causal heads (the retrieval mode, usually full attention) and sparse ones.
+Instead of one block-sparse launch over both (``flex``), this executor runs the dense causal heads
+of a plain prefill through dense causal SDPA (``dense_backend``: cuDNN first on CUDA, a pinned
+backend, or ``flash_attn``) and every other layout through the sparse path (``sparse``: ``flex`` on
+CUDA, ``gathered`` elsewhere, :mod:`elasticfw_plugins.executors.gathered`); decode steps take
+``decode_sparse`` (the Triton decode kernel on CUDA, one launch per routed layer; ``gathered``
+elsewhere). A routed call is split only where that is exact and cheap (one dense layout, a plain
+prefill or a decode step, no log-sum-exp asked for, one routing for every sample, whole GQA
+groups); otherwise it is one sparse launch over the combined layout. Gradients flow through both
+groups. The conditions, what is copied and the measurements behind the choices:
+``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

@@ -1,52 +1,17 @@
 """MoBA: mixture of block attention — each query attends to its top-k key blocks.
 
-Sources: MoBA (Lu et al., 2025, arXiv 2502.13189) and its reference code, MoonshotAI/MoBA
-``moba/moba_naive.py::moba_attn_varlen_naive``; defaults from Elastic Attention
-(arXiv 2601.17367) Table 6: MoBA block 1024, top-k 8.
-
-Semantics (per sample, per query head; a GQA group's query heads gate against their KV head's
-keys, as upstream does after ``repeat_kv``):
-
-* Keys are cut into MoBA blocks of ``moba_block_size`` tokens. The gate of query ``q`` for key
-  block ``n`` is ``q · mean(K_n)`` in float32 (the mean over the block's real keys; upstream
-  takes the mean in the input dtype, which differs only by rounding in bf16/fp16).
-* The query's *current* block (the block holding its position) is always selected and attended
-  causally. A block is a *candidate* only if it ends before the current block begins (upstream
-  masks block ``n`` for every query before ``(n + 1) * moba_block_size``), so a candidate never
-  holds a future or a padding key.
-* ``top_k`` counts the current block: the ``top_k - 1`` candidates with the highest gates are
-  added. **Ties** go to the lower block index (upstream leaves them to ``torch.topk``).
-
-Query granularity:
-
-* ``token`` (default; exactly upstream's per-token semantics): one selection per query token,
-  kept as a ``(B, Hq, Sq, n_moba_blocks)`` bool tensor that the layout's token mask indexes; a
-  layout tile computes the union of its rows' selections, and is ``partial`` where its rows
-  disagree (the layout also carries the table as a ``RowSelection``: on CUDA the flex executor
-  gathers, per key group, the rows that chose it, and computes only the selected pairs).
-* ``block``: one selection per layout tile (``block_size`` query positions), gated with the
-  **mean of the tile's real queries** (equivalently, the mean of their per-token gates, since
-  the gate is linear in ``q``). The mean keeps the score on the same scale as a token's and
-  rewards blocks the whole tile agrees on, where a max would let one outlier row choose for
-  all. A row's output then depends on the later queries of its tile (not token-causal), and
-  under ``decode: sparse`` a decode step (one query) may select differently from the prefill tile
-  it belongs to. No token mask is needed: the layout is exact at tile granularity.
-
-Decode: upstream gates the prefill only (its ``moba_layer`` runs FlashAttention over the cache when
-``q_len != kv_len``). ``decode: full`` (default) runs a call of one query row as full attention over
-every earlier key (:meth:`MobaAttention.dense_at`), no gating; ``decode: sparse`` gates that query
-as in prefill (granularity ``token``: the selection of that token's prefill row). A chunked prefill
-of several rows is gated either way (upstream would run it dense).
-
-``block_size`` is the layout tile the executor runs (as for every mode); ``moba_block_size``
-must be a multiple of it, so one MoBA block is ``moba_block_size / block_size`` layout blocks.
-
-Planner (granularity ``token``; ``planner``: ``auto`` on CUDA, or ``triton``): the fused kernel
-of :mod:`elasticfw.kernels.moba_select` gates, selects and pools each layout tile's rows in one
-program (no float32 gate tensor, no sorts), giving the same selection as the torch path up to
-float32 summation order of the gates (only a near-tie can be decided differently). Padding rows
-select nothing on either path. Granularity ``block`` always plans in torch (one selection per
-tile: already cheap).
+Sources: MoBA (Lu et al., 2025, arXiv 2502.13189) and MoonshotAI/MoBA's
+``moba/moba_naive.py::moba_attn_varlen_naive``; defaults from Elastic Attention (arXiv 2601.17367)
+Table 6: MoBA block 1024, top-k 8. Keys are cut into MoBA blocks of ``moba_block_size`` tokens (a
+multiple of ``block_size``); the gate of a query for block ``n`` is ``q · mean(K_n)`` in float32
+over the block's real keys (a GQA group gates against its KV head). The query's current block is
+always selected and attended causally; only blocks that end before it are candidates; ``top_k``
+counts the current block; ties go to the lower block. ``query_granularity``: ``token`` (default;
+upstream's per-token selection, carried as a row selection) or ``block`` (one selection per layout
+tile, gated with the mean of its real queries: exact at tile granularity, not token-causal).
+``decode: full`` (default) runs a call of one query row as full attention, as upstream does;
+``decode: sparse`` gates it. ``planner``: the fused kernel (:mod:`elasticfw.kernels.moba_select`)
+on CUDA, torch elsewhere. The semantics in full: ``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

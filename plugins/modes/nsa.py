@@ -1,83 +1,19 @@
 """NSA-like sparse attention, training-free: top-n selected blocks + sliding window (+ optional
 compressed keys), scored by parameter-free mean pooling.
 
-Sources: Native Sparse Attention (NSA; Yuan et al., 2025, arXiv 2502.11089) §3.3 for the three
-branches, Eq. 7 (compression windows), Eq. 9 (compressed → selection importance) and Eq. 10
-(group-consistent selection); InfLLM-v2 (Zhao et al., 2025, arXiv 2509.24663) and fla-org's
-``native-sparse-attention`` / XunhaoLai's ``native-sparse-attention-triton`` (``avgpool_compress``)
-for parameter-free mean pooling; defaults from Elastic Attention (arXiv 2601.17367) Table 6 (its
-NSA baseline): block 64, top-k 128, window 512, kernel 32, stride 16; NSA's own 1 initial and 2
-local blocks.
-
-The backbone is frozen, so nothing here is learned. Precisely:
-
-* **Compression.** Compressed key ``m`` is the mean of keys ``[m*stride, m*stride + kernel)``
-  (values likewise, for the optional branch). It is *valid* for the query at position ``p`` iff
-  its window lies entirely at or before the query: ``m*stride + kernel <= p + 1`` (the query's
-  own key may be the window's last one; the rule of fla's ``NC = (i + 1) // BS`` and XunhaoLai's
-  ``q >= m*stride + kernel - 1``). Windows past a sample's ``kv_len`` are never valid.
-* **Importance.** Per query token and query head: ``softmax_m(scale * q . c_m)`` over the valid
-  compressed keys, in float32, with ``c_m`` first rounded to the inputs' dtype (``score_keys:
-  input``, the default: what a 16-bit model's compression holds; ``float32`` keeps the float32
-  means), ``scale`` the call's attention scale (``head_dim ** -0.5`` when none is given); a
-  row with no valid key contributes zeros. Window ``m`` gives each selection block ``n`` its
-  probability times ``overlap(m, n) / stride`` where ``overlap`` counts the tokens the window
-  shares with ``[n*bs, (n+1)*bs)`` — Eq. 9's double sum over stride-sized sub-chunks, aligned as
-  in XunhaoLai's ``transform_score``: a window inside one block gives it ``kernel/stride``
-  times its probability, a window straddling two blocks splits that by overlap.
-* **Group-consistent selection.** Importances are summed over the query heads of a GQA group
-  (NSA Eq. 10; any group size, including 1): every query head of a group attends to the same
-  blocks. What else is summed depends on ``query_granularity``:
-
-  - ``block`` (default): also over the real query rows of a layout tile (query block): one
-    selection per (sample, KV head, query block), which is what block kernels run. A tile's
-    selection uses the rows of its own block, so outputs are block-causal, not token-causal
-    (no row sees anything after the end of its block), and a decode step (one row, which
-    selects for itself alone) may choose other blocks than the prefill tile its position
-    belongs to. Only the rows present in the call count: a chunked prefill whose first
-    position is not block-aligned scores its first tile with the rows it has.
-  - ``token`` (upstream NSA: the paper's per-token selection, fla's ``naive_nsa_topk`` /
-    ``parallel_nsa``): one selection per (sample, KV head, query token), from that token's own
-    importances alone. Outputs are token-causal, and prefill, chunked prefill and
-    token-by-token decode select the same blocks for the same position. The selections are
-    kept as a ``(B, Hkv, Sq, NKB)`` bool table that the layout's token mask indexes; a layout
-    tile computes the union of its real rows' selections and is *partial* where they disagree.
-
-* **Top-n.** For query block ``T`` (``block``), or the query at position ``p`` with
-  ``T = p // block_size`` (``token``): of the causal key blocks ``j <= T``, the ``init_blocks``
-  first and the ``local_blocks`` last (``T - local_blocks < j <= T``) are always kept and count
-  towards ``top_n``; the remaining budget goes to the other causal blocks in descending
-  importance, ties to the lower block index. Selected blocks are whole blocks (causal inside the
-  diagonal). With ``compress_kernel == compress_stride == block_size``, ``init_blocks`` 1 and
-  ``local_blocks`` 2, ``token`` selects what fla's ``naive_nsa_topk`` selects (its forced first,
-  current and previous blocks; its mean over the group ranks as the sum does), ties apart (fla
-  leaves them to ``torch.topk``).
-* **Sliding window**, token-exact, OR'ed in: key ``j`` is visible to position ``p`` iff
-  ``p - window < j <= p`` (``window = 0`` disables it).
-* **Compression branch** (``compression_branch: true``): each query also attends to its valid
-  compressed keys (mean-pooled K and V), merged with the selection/window attention by
-  log-sum-exp, i.e. one softmax over the union. NSA mixes its branches with learned sigmoid
-  gates; without training, the LSE merge is the parameter-free choice (gates would be router-side
-  trainable parameters).
-
-Cost, by ``query_granularity``. Scoring is the same for both: ``score_chunk`` query rows at a time
-(``chunk x S/stride`` scores per head), nothing ``S x S``; for ``block``, ``scorer`` (``auto`` on
-CUDA, or ``triton``) instead runs the fused two-pass kernels of
-:mod:`elasticfw.kernels.nsa_importance` (softmax statistics per row, then the probabilities summed
-per tile and mapped onto key blocks, no score matrix stored; same importances up to float32
-rounding; at 128K on one H200 the layout takes 56.9 ms with it, 0.23x a dense cuDNN layer, against
-546 ms with the torch path, ``results/bench/planners-triton/``). ``token`` always scores in PyTorch.
-``block`` keeps one selection per tile: an ``O((S/bs)^2)`` layout per KV head, token-masked only at the window's edges, so block kernels
-run whole tiles. ``token`` ranks the key blocks once per query row instead of once per tile
-(``bs`` times the sorting) and keeps an ``O(S^2 / bs)`` bool table per KV head and sample (16M
-entries at ``S = 32K``, ``bs = 64``). Rows of a tile seldom agree on the blocks they choose
-beyond the forced and window ones, so those tiles are partial (a block kernel evaluates the token
-mask in them: FlexAttention's ``mask_mod``, no full tile), and a tile computes the union of its
-rows' selections, more blocks than any one row attends to (random inputs, 4K tokens, ``top_n``
-16: half of the computed tiles partial against 3% for ``block``, 37% more tiles for the same
-pairs; one H200 at 32K with the defaults: the ``flex`` forward 2.1x slower). That is why
-``block`` is the default: it is what block-sparse kernels run at full speed. ``token`` is for
-upstream-exact, token-causal semantics and decode consistent with prefill.
+Sources: NSA (Yuan et al., 2025, arXiv 2502.11089) §3.3, Eq. 7, 9 and 10; InfLLM-v2 (arXiv
+2509.24663), fla-org's ``native-sparse-attention`` and XunhaoLai's ``native-sparse-attention-triton``
+for mean pooling; defaults from Elastic Attention (arXiv 2601.17367) Table 6: block 64, top-k 128,
+window 512, kernel 32, stride 16, and NSA's 1 initial and 2 local blocks. Nothing is learned:
+compressed key ``m`` is the mean of keys ``[m*stride, m*stride + kernel)``, valid for position ``p``
+iff ``m*stride + kernel <= p + 1``; a key block's importance is the softmax over the valid
+compressed keys spread by overlap (Eq. 9), summed over the GQA group (Eq. 10) and, for
+``query_granularity: block`` (default), over the layout tile's rows (block-causal; ``token``:
+upstream's per-token selection, token-causal). The ``init_blocks`` first and ``local_blocks`` last
+causal blocks are forced and count toward ``top_n``; ties go to the lower block; a token-exact
+sliding ``window`` is OR'ed in; ``compression_branch`` adds the compressed keys, merged by
+log-sum-exp. ``scorer``: the fused kernels (:mod:`elasticfw.kernels.nsa_importance`) on CUDA for
+``block``. The rules in full and the cost of each granularity: ``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

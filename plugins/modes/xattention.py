@@ -1,81 +1,19 @@
 """XAttention: block-sparse attention with antidiagonal scoring (XA).
 
 Sources: XAttention (Xu et al., 2025, arXiv 2503.16428; mit-han-lab/x-attention, ``xattn_estimate``
-and ``find_blocks_chunked``, select mode "inverse"); defaults from Elastic Attention
-(arXiv 2601.17367) Table 6: stride 16, threshold 0.9, block 64, chunk 16384, selection "inverse".
-The method below is the reference; upstream's chunking quirks (only the diagonal forced in the
-first chunk, earlier chunks masked when the keys need no padding) are deliberately not copied.
-
-**Estimate** (all in float32, whatever the input dtype). Lay the queries of each sample on the
-position grid (row ``r`` of the grid is position ``r``; grid rows that hold no real query of the
-sample are zero vectors) and the keys start-aligned (keys ``>= kv_len`` are zero vectors). For
-stride ``S`` the antidiagonal score of the ``S x S`` tile (strided query row ``m``, strided key
-``n``) is::
-
-    A[m, n] = sum_{i=0}^{S-1} q[m*S + i] . k[n*S + S-1-i]
-
-computed as one matmul between queries concatenated ``S`` at a time in reverse order and keys
-concatenated ``S`` at a time. Scores are scaled by ``scale / S`` (the call's attention scale,
-``1 / sqrt(d)`` by default), masked causally at
-strided granularity (keep ``n <= m``), soft-maxed over ``n`` and summed into
-``(block/S) x (block/S)`` groups: ``mass[M, N]`` is the probability that the strided rows of
-position block ``M`` put on key block ``N``. A strided row contributes only if it holds at least
-one real query of the sample; its other (absent) query positions are zero vectors. So an
-unaligned first block of a chunked prefill and a single decode query (``decode: sparse``) are
-estimated from the real query rows present, and padding (keys past ``kv_len``, rows past the sample's end) never
-reaches a real row's estimate. The strided diagonal tile may read keys later in the same
-``S``-tile (hence the same block): the estimate is causal at block granularity, not per token.
-
-**Selection** per (sample, head, query block ``M``), among causal key blocks ``N <= M``: key
-block 0 and the diagonal block ``M`` are always kept; the other causal blocks are visited in
-descending mass (ties: lower block index first) and block ``c_j`` is kept iff
-``forced_mass + sum_{i<j} mass(c_i) < threshold * row_total``, i.e. blocks are added while the
-cumulative mass is still below the target, *and the block that crosses it is included*
-(upstream's rule). ``row_total`` is the row's summed mass (its number of real strided rows).
-``threshold >= 1`` keeps every causal block explicitly, so rounding in cumulative sums can
-never drop a block in the dense limit; that layout is marked ``dense_causal``.
-
-**Decode.** Upstream XAttention prunes the prefill and decodes with dense attention
-(``flashinfer.single_decode_with_kv_cache`` for a one-token query). ``decode: full`` (default) does
-the same: a call of one query row is full attention over every earlier key (:meth:`dense_at`), no
-estimate. ``decode: sparse`` estimates and selects from that query, as above.
-
-**Heads.** Routing in Elastic Attention is per KV head, but XAttention selects per query head
-(upstream repeats K/V). ``head_aggregation: query`` (default) returns one layout per query head
-(``Hq`` heads); the query heads of a KV group then share the routing decision but not the block
-pattern. ``kv_group`` sums the masses of a group's query heads before selecting and returns one
-layout per KV head (``Hkv`` heads), shared by the group (a single pattern per routing unit).
-
-**Memory.** The estimate is chunked over ``chunk_size`` query positions (``C = chunk_size``,
-``Sk'`` = key capacity rounded up to a block, ``NQB``/``NKB`` layout rows/columns). Beyond the
-inputs, the torch path's peak bytes are about::
-
-    4*B*Hkv*Sk'*d                      float32 key copy (padding zeroed)
-  + 4*B*Hq*(C/S)*(Sk'/S)               one float32 score tile per chunk, soft-maxed in place
-  + 8*B*Hq*C*d                         the chunk's gathered and tile-reversed queries
-  + ~30*B*Hq*(C/bs)*NKB                mass, sort values and indices of the chunk's rows
-  + B*H*NQB*NKB                        the bool layout
-
-e.g. 128K tokens, B=1, Hq=32, Hkv=8, d=128, S=16, bs=64, C=16384: 0.5 GiB keys + 1 GiB scores
-+ 0.5 GiB queries + 0.5 GiB selection + 0.125 GiB layout (about 2.6 GiB; halve C to halve the
-chunk terms). Keys are trimmed per chunk to the chunk's last causal block, so early chunks
-cost less. The result does not depend on ``chunk_size``.
-
-**Triton path** (``estimator``: ``auto`` on CUDA, or ``triton``): the fused estimator of
-:mod:`elasticfw.kernels.xattention_estimate` reads ``q`` and ``k`` in place and in their dtype
-(bfloat16 and float16 products are exact in float32 accumulation; float32 inputs are multiplied
-in IEEE float32), in one pass over the strided scores (each row's block sums kept relative to
-its running softmax maximum, rescaled once the row is done; no score tile is stored), and
-:mod:`elasticfw.kernels.xattention_select` selects with a bisection over the masses' float32 bit
-patterns per row (no sort) in one Triton program. Beyond the inputs it holds::
-
-    4*B*Hq*(C/S)*NKB                   the chunk's per-row block sums (float32 scratch)
-  + 4*B*Hq*(C/bs)*NKB                  the chunk's mass
-  + B*H*NQB*NKB                        the bool layout
-
-(128K with the sizes above: 256 MiB + 64 MiB + 128 MiB). Its masses equal the torch path's up to
-float32 summation order; a block whose cumulative mass lies within rounding of the threshold
-can therefore be decided differently (as between the torch path on a CPU and on a GPU).
+and ``find_blocks_chunked``, select mode "inverse"); defaults from Elastic Attention (arXiv
+2601.17367) Table 6: stride 16, threshold 0.9, block 64, chunk 16384. The method below is the
+reference; upstream's chunking quirks are not copied. **Estimate** (float32): the antidiagonal
+score ``A[m, n] = sum_{i<S} q[m*S + i] . k[n*S + S-1-i]`` of each strided tile, scaled by
+``scale / S``, causal at strided granularity, soft-maxed over ``n`` and summed per (query block,
+key block) into ``mass``; absent queries and padding keys are zero vectors, so only real rows
+count. **Selection** per query block among the causal key blocks: block 0 and the diagonal
+forced, the others by descending mass (ties: the lower index) while the kept mass is below
+``threshold`` times the row's total, the crossing block included; ``threshold >= 1`` keeps every
+causal block. ``decode: full`` (default) runs a call of one query row as full attention, as
+upstream does. ``head_aggregation``: per query head (default) or per KV group. ``estimator``: the
+fused kernels on CUDA. The estimate in full, the memory formulas and the Triton path:
+``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

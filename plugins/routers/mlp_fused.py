@@ -1,36 +1,15 @@
 """The ``mlp`` router's inference decision as one Triton kernel (one launch per layer).
 
-The eager inference path (:meth:`elasticfw_plugins.routers.mlp.MLPRouter.decide` in eval mode)
-runs about eleven small operations per layer — the pooling reduction, five linears, three SiLUs,
-the softmax and the rounding — on a (B, Hkv, d') input, so its cost is the host's dispatch of
-each. :func:`fused_decide` computes the same decision in a single launch:
-
-1. boundary pooling of the keys (B, Hkv, Sk, D), read through their strides (a transposed or
-   sliced view of a larger buffer is fine): the float32 sum of the first and the last
-   ``pool_tokens`` tokens divided by 2 x pool_tokens — the fast path of
-   :func:`~elasticfw_plugins.routers.mlp.boundary_pool`, which needs no padding and
-   Sk >= 2 x pool_tokens — then cast to the weights' dtype, as the eager path casts it;
-   :func:`fused_mlp` skips this step and takes already pooled (B, Hkv, D) vectors instead;
-2. the task MLP d' -> hd' -> d' (SiLU) and the router MLP d' -> hd' -> d' -> 2 (SiLU after the
-   first two linears), as float32 multiply-adds (exact products, float32 accumulation; no
-   ``tl.dot``, so no TF32), the hidden dimension in chunks to bound register use. With
-   bf16/fp16 weights every linear's and every SiLU's output is rounded to the weights' dtype, as
-   the eager path's tensors are;
-3. the logits, stored in the weights' dtype; P(sparse) = softmax(logits)[..., 1] from those
-   stored logits, in float32, as ``torch.softmax`` computes it (the larger logit's exponential
-   is exactly 1); hard = 1.0 iff P(sparse) > 0.5, which is ``torch.round(P)`` (half to even: a
-   tie, P = 0.5, goes to the retrieval mode, 0.0). On a GPU ``tl.exp`` is not bit-identical to
-   torch's ``exp``, so where the logits differ by a few float32 ulps the two paths may round P
-   to different sides of 0.5; an exact tie is 0.5 in both.
-
-One program per (sample, KV head) row; each reads all the layer's weights (about 1 MB in float32
-at d' = 128), from L2 after the first. Results carry no autograd history: training uses the
-eager path.
-
-This module imports Triton and defines the kernel at import: import it only once
-:func:`elasticfw.kernels.triton_unavailable` has returned ``None`` (the router does), so that
-the router plugin imports without Triton and ``TRITON_INTERPRET`` is read when it matters.
-:func:`unsupported` says why the kernel cannot run for given inputs (``None`` when it can).
+:func:`fused_decide` computes what the eager inference path of
+:meth:`elasticfw_plugins.routers.mlp.MLPRouter.decide` computes (about eleven small operations per
+layer, whose cost is their dispatch) in one launch: boundary pooling of the keys through their
+strides (the eager fast path: no padding, Sk >= 2 x pool_tokens; :func:`fused_mlp` takes pooled
+vectors instead), both MLPs as float32 multiply-adds rounded as the eager path rounds with 16-bit
+weights, the logits, P(sparse) and the hard decision (``torch.round``: a tie goes to the retrieval
+mode). One program per (sample, KV head); no autograd (training runs the eager path). Import this
+module only once :func:`elasticfw.kernels.triton_unavailable` has returned ``None``;
+:func:`unsupported` says why the kernel cannot run. The numerics in detail:
+``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

@@ -5,38 +5,14 @@ depends mostly on the code right above it, so sink + local-window attention lose
 (SmolLM2-135M-Instruct at 1,500 tokens, 12 eval samples: edit similarity 0.54 with full
 attention, 0.49 with every head streaming, 64 sink + 256 local tokens).
 
-**Corpus.** The ``.py`` files of the running Python's standard library
-(``sysconfig.get_paths()["stdlib"]``), listed in sorted order of their relative paths, minus
-tests, data tables and modules that Python 3.12/3.13 removed (see :data:`EXCLUDED_DIRS`,
-:data:`EXCLUDED_MODULES`), so the pool is present on every machine without a download. A file
-belongs to split ``"train"`` or ``"eval"`` by a SHA-256 hash of its relative path
-(:func:`split_of`): the split of a file never depends on the Python version or on which other
-files exist, but the corpus itself *follows the running Python* — the files 3.10, 3.11 and 3.12
-ship differ a little (new modules, edited code), so samples for one seed are identical only
-across machines with the same Python minor version (the sample's ``meta`` names the file and
-line, and results record the Python version).
-
-**Sample.** A line is drawn from a file of the split: a simple statement (assignment, return,
-call, raise, import...) on one physical line, between ``min_line_chars`` and ``max_line_chars``
-long, not a string, and free of ``#``, ````` and ``//`` (the markers LongBench's scorer skips
-over, so a perfect completion is never skipped). The prompt is the code preceding that line,
-``context_tokens`` tokens of it (starting at a line boundary), ending with the last non-blank
-line before it *without* its newline: code tokenizers merge a newline with the next line's
-indentation into one token, so a prompt ending in a bare newline would tell the model that an
-unindented line follows. The answer is the next non-empty line; the training target is the text
-that follows the prompt in the file (newline, indentation, line). No chat template by default, as
-LongBench's ``lcc`` (its prompt header and footer, ``"Please complete the code given below. \\n"``
-and ``"Next line of code:\\n"``, are available as ``instruction`` / ``answer_prefix``; with an
-answer prefix the code's newline is put back before it and the target is the bare line).
-
-**Score.** :func:`elasticfw.eval.metrics.code_edit_similarity`: the first completion line that is
-not a comment or a Markdown fence, compared with the reference line by
-``rapidfuzz.fuzz.ratio / 100``; both sides are stripped of surrounding whitespace (the model
-writes the indentation, which is layout and not scored).
-
-This module also holds the standard-library corpus helpers (:func:`stdlib_files`,
-:func:`split_of`, :func:`read_source`) and the prompt rendering that the other robust tasks
-(``fewshot``, ``summary``) share.
+The corpus is the running Python's standard library (minus tests, data tables and removed
+modules), split into ``"train"`` / ``"eval"`` by a hash of each file's path (:func:`split_of`): no
+download, and one seed's samples are identical across machines with the same Python minor
+version. A sample is a one-line simple statement; the prompt is the ``context_tokens`` tokens of
+code before it, ending without its newline; no chat template by default. Score:
+:func:`elasticfw.eval.metrics.code_edit_similarity` of the first completion line. The module also
+holds the corpus helpers and the prompt rendering the other robust tasks share. The construction
+in detail: ``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

@@ -2,33 +2,13 @@
 Li & Roth, 2002): many labelled examples, then a query to label from the same closed label set,
 scored by exact match. A sparsity-robust task (Elastic Attention, arXiv 2601.17367, §4).
 
-**Labelled data, offline.** Each example is a documented function or class of the running
-Python's standard library (the corpus of :mod:`elasticfw_plugins.tasks.code_completion`):
-its qualified name and the summary of its docstring (first paragraph, 3–30 words); its label
-is the top-level package of the file that defines it (``asyncio``, ``email``, ``unittest``...).
-The text is written by people, the labels are facts of the source tree (no annotation to trust),
-and the classes are topical (event loops, mail headers, widgets, DOM nodes, test assertions), so
-a model can learn them from examples. The default labels are seven packages whose files fall in
-both splits with at least 25 usable docstrings each (Python 3.11: 26 to 575 per label and split;
-``logging``, ``http`` and ``urllib`` are left out because their few files fell, all or all but
-one, in the same split). A summary that occurs more than once among the chosen packages is
-dropped (it could not be told apart, and a query must never be copied from its examples).
-Splits are disjoint by source file (``split_of``): an eval prompt holds no docstring of a train
-file, and the other way round.
-
-**Solvable from nearby examples.** The examples closest to the query are a balanced block of
-``near_examples_per_label`` examples of every label (shuffled); the rest of the context, up to
-``context_tokens``, is examples drawn from the whole split. So a local attention window that
-covers the last block sees every label, and the query can be labelled from local context alone
-(the property that makes in-context learning sparsity-robust in the paper). How much a model
-still gains from the far examples is an empirical matter: SmolLM2-135M-Instruct labels 25% of
-queries from the near block alone (300 tokens, full attention, 28 eval samples) and 75% at 1,500
-tokens; with every head streaming (64 sink + 256 local tokens) it falls to 21-36% (14 samples),
-so at that size this task behaves as sparsity-*sensitive* — a recipe may override the category.
-Queries cycle through the labels (balanced), so chance level is ``1 / len(labels)``.
-
-**Score.** :func:`elasticfw.eval.metrics.exact_match` of the completion's first line with the
-label, after normalisation (lower case, surrounding punctuation and spaces removed).
+Each example is a documented standard-library function or class (its qualified name and its
+docstring's summary), labelled with its top-level package; the splits are disjoint by source file.
+The examples nearest the query are a balanced block of ``near_examples_per_label`` per label, so a
+local window sees every label; the rest of the context is drawn from the whole split. Queries
+cycle through the labels (chance: ``1 / len(labels)``). Score:
+:func:`elasticfw.eval.metrics.exact_match` of the completion's first line. The label choice and
+what a small model does with it: ``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations

@@ -3,30 +3,13 @@ the sense of LongBench's ``gov_report`` / ``multi_news`` / ``samsum`` (Bai et al
 2308.14508), built offline from the running Python's standard library. A sparsity-robust task
 (Elastic Attention, arXiv 2601.17367, §4).
 
-**Why this construction.** A summary needs a reference written by a person for a text that is on
-every machine. A standard-library function's docstring opens, by convention (PEP 257), with a
-one-line summary of what the function does, written by its author; the rest of the docstring
-and the code are the text it summarises. So the sample shows a function with the summary
-removed from its docstring (the docstring keeps its other paragraphs, at least
-``min_body_words`` words) and asks for that line; the reference is the removed paragraph. This
-is code-to-text summarisation (as CodeXGLUE's code-to-text, scored there by BLEU) scored with
-ROUGE-L F1, the metric of LongBench's summarisation tasks. A long-document summary of a whole
-file would need a reference nobody wrote; a continuation task would test code completion again.
-
-**Long context, local answer.** The function comes last, preceded by the code of its own file
-(``context_tokens`` tokens in all, cut at a line boundary): realistic long context, while the
-evidence for the summary — the function's code and the rest of its docstring — lies right
-before the question, which is what makes summarisation robust to sink + local-window attention.
-Files are split between ``"train"`` and ``"eval"`` by the stable hash of
-:func:`~elasticfw_plugins.tasks.code_completion.split_of`; the corpus follows the running Python
-(see :mod:`elasticfw_plugins.tasks.code_completion`).
-
-**Score.** :func:`elasticfw.eval.metrics.rouge_l` (``rouge-score``, no stemming) of the
-completion's first non-empty line against the reference summary. ROUGE-L rewards shared function
-words, so a fixed answer is a real baseline: ``"Return a new object for the given name."`` scores
-0.14 on the eval split (800 tokens, 100 samples). SmolLM2-135M-Instruct does not beat it (0.09 to
-0.12 at 800-1,500 tokens, full attention), so at that size the score carries little signal;
-the task needs a larger model to be measured.
+A sample shows a standard-library function with the one-line summary removed from its docstring
+(PEP 257's first line, written by its author) and asks for that line; the function comes last,
+after the code of its own file up to ``context_tokens``, so the evidence lies right before the
+question. Files are split as in :mod:`elasticfw_plugins.tasks.code_completion`. Score:
+:func:`elasticfw.eval.metrics.rouge_l` (F1, no stemming) of the completion's first non-empty
+line. Why this construction, and the baseline a fixed answer sets:
+``docs/explanation/design-notes.md``.
 """
 
 from __future__ import annotations
