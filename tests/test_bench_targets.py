@@ -238,7 +238,7 @@ def _bench_targets_tool():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "tools" / "bench_targets.py"
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_targets.py"
     spec = importlib.util.spec_from_file_location("bench_targets_tool", path)
     assert spec is not None and spec.loader is not None
     tool = importlib.util.module_from_spec(spec)
@@ -247,7 +247,7 @@ def _bench_targets_tool():
 
 
 def test_the_tools_targets_step_prints_a_run_without_attention_rows(tmp_path, capsys):
-    """``tools/bench_targets.py gpu --steps prefill`` ends with ``targets`` over a folder without the
+    """``scripts/bench_targets.py gpu --steps prefill`` ends with ``targets`` over a folder without the
     attention JSON: a mode's layer then has no target (it raised formatting None)."""
     tool = _bench_targets_tool()
     (tmp_path / "prefill.json").write_text(json.dumps(PREFILL))

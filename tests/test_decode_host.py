@@ -269,11 +269,11 @@ def test_compact_decode_reads_nothing_from_the_device(device_reads):
 @pytest.mark.skipif(split_module.triton_unavailable(torch.device("cpu")) is not None,
                     reason="needs Triton's interpreter")
 def test_decode_host_timing_tool_writes_its_figures(tmp_path):
-    """``tools/decode_host_timing.py`` (run on a GPU by a session) runs every piece and writes one
+    """``scripts/decode_host_timing.py`` (run on a GPU by a session) runs every piece and writes one
     row of host and host+GPU microseconds per piece with the environment; bad sizes are refused."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "tools" / "decode_host_timing.py"
+    path = Path(__file__).resolve().parents[1] / "scripts" / "decode_host_timing.py"
     spec = importlib.util.spec_from_file_location("decode_host_timing", path)
     assert spec is not None and spec.loader is not None
     tool = importlib.util.module_from_spec(spec)
@@ -296,7 +296,7 @@ def test_decode_host_timing_tool_refuses_a_cpu_without_the_interpreter(monkeypat
     device: without ``TRITON_INTERPRET=1`` the tool says so before timing (it used to fail mid-run)."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "tools" / "decode_host_timing.py"
+    path = Path(__file__).resolve().parents[1] / "scripts" / "decode_host_timing.py"
     spec = importlib.util.spec_from_file_location("decode_host_timing", path)
     assert spec is not None and spec.loader is not None
     tool = importlib.util.module_from_spec(spec)
@@ -316,7 +316,7 @@ def test_decode_host_timing_tool_times_the_kernel_at_each_split_count(tmp_path, 
 
     from elasticfw.kernels import decode_attention as da
 
-    path = Path(__file__).resolve().parents[1] / "tools" / "decode_host_timing.py"
+    path = Path(__file__).resolve().parents[1] / "scripts" / "decode_host_timing.py"
     spec = importlib.util.spec_from_file_location("decode_host_timing", path)
     assert spec is not None and spec.loader is not None
     tool = importlib.util.module_from_spec(spec)
@@ -349,7 +349,7 @@ def test_decode_host_timing_no_launch_times_the_host_code_and_restores_the_kerne
 
     from elasticfw.kernels import decode_attention as da
 
-    path = Path(__file__).resolve().parents[1] / "tools" / "decode_host_timing.py"
+    path = Path(__file__).resolve().parents[1] / "scripts" / "decode_host_timing.py"
     spec = importlib.util.spec_from_file_location("decode_host_timing", path)
     assert spec is not None and spec.loader is not None
     tool = importlib.util.module_from_spec(spec)

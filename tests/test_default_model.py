@@ -74,7 +74,7 @@ def test_passkey_full_vs_streaming_vs_retrieval_score(smollm2):
 
 
 def test_demo_cpu_times_every_sparse_mode_and_short_contexts_answer_as_full(tmp_path):
-    """``tools/bench_targets.py demo-cpu --modes`` on the real model (one sample at the demo's 1,440
+    """``scripts/bench_targets.py demo-cpu --modes`` on the real model (one sample at the demo's 1,440
     tokens): a row per variant with its seconds over full's. At this length NSA's top-n and MoBA's
     top-k cover every key block (ESR 0), so those variants compute what full attention computes and
     greedy decoding gives full's very completion; streaming skips pairs (ESR above 0)."""
@@ -82,7 +82,7 @@ def test_demo_cpu_times_every_sparse_mode_and_short_contexts_answer_as_full(tmp_
     import json
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "tools" / "bench_targets.py"
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_targets.py"
     spec = importlib.util.spec_from_file_location("bench_targets", path)
     assert spec is not None and spec.loader is not None
     tool = importlib.util.module_from_spec(spec)

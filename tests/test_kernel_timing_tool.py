@@ -1,7 +1,7 @@
-"""Timing tools that sessions run: ``tools/sparse_kernel_timing.py`` (on a GPU, where a crash costs
+"""Timing tools that sessions run: ``scripts/sparse_kernel_timing.py`` (on a GPU, where a crash costs
 device time) on the CPU under Triton's interpreter, its CUDA timing and inputs replaced: every row
 and note it promises is written, the Triton and torch work lists agree, and the compact lists are
-smaller; ``tools/cpu_layer_timing.py`` at a tiny size: a row per phase and mode with the layout's ESR."""
+smaller; ``scripts/cpu_layer_timing.py`` at a tiny size: a row per phase and mode with the layout's ESR."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import torch
 
 from elasticfw.kernels import triton_unavailable
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 pytestmark = pytest.mark.skipif(triton_unavailable(torch.device("cpu")) is not None, reason="needs Triton's interpreter")
 
 
 def test_sparse_kernel_timing_writes_every_row(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(TOOLS))
+    monkeypatch.syspath_prepend(str(SCRIPTS))
     import sparse_kernel_timing as tool
 
     from elasticfw.attention.seq import SeqInfo
@@ -58,7 +58,7 @@ def test_sparse_kernel_timing_writes_every_row(tmp_path, monkeypatch):
 
 
 def test_cpu_layer_timing_writes_a_row_per_phase_and_mode(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(TOOLS))
+    monkeypatch.syspath_prepend(str(SCRIPTS))
     import cpu_layer_timing as tool
 
     out = tmp_path / "layers.json"
@@ -76,10 +76,10 @@ def test_cpu_layer_timing_writes_a_row_per_phase_and_mode(tmp_path, monkeypatch)
 
 
 def test_cpu_routed_decode_timing_checks_both_forms_and_restores_the_bound(tmp_path, monkeypatch):
-    """``tools/cpu_routed_decode_timing.py`` at a tiny size: a row per (batch, keys) with the four
+    """``scripts/cpu_routed_decode_timing.py`` at a tiny size: a row per (batch, keys) with the four
     timings and the pairs the masked call adds (batch x 6 sparse heads x the keys outside sink and
     window), and the executor's bound put back."""
-    monkeypatch.syspath_prepend(str(TOOLS))
+    monkeypatch.syspath_prepend(str(SCRIPTS))
     import cpu_routed_decode_timing as tool
 
     from elasticfw_plugins.executors import gathered

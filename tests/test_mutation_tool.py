@@ -1,4 +1,4 @@
-"""tools/mutation.py's test selection: a mutant is tested by exactly the tests that executed its lines."""
+"""scripts/mutation.py's test selection: a mutant is tested by exactly the tests that executed its lines."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("mutation_tool", ROOT / "tools" / "mutation.py")
+    spec = importlib.util.spec_from_file_location("mutation_tool", ROOT / "scripts" / "mutation.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,4 +1,4 @@
-"""``tools/router_timing.py``: the mlp router's time per layer split into its host code, Triton's
+"""``scripts/router_timing.py``: the mlp router's time per layer split into its host code, Triton's
 launch and the kernel (run on a GPU by a session; here on the CPU under Triton's interpreter)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from elasticfw.kernels import triton_unavailable
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 pytestmark = pytest.mark.skipif(
     triton_unavailable(torch.device("cpu")) is not None, reason="needs Triton's interpreter"
@@ -20,8 +20,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def _tool(monkeypatch):
-    monkeypatch.syspath_prepend(str(TOOLS))  # as when run as a script: it imports decode_host_timing
-    spec = importlib.util.spec_from_file_location("router_timing", TOOLS / "router_timing.py")
+    monkeypatch.syspath_prepend(str(SCRIPTS))  # as when run as a script: it imports decode_host_timing
+    spec = importlib.util.spec_from_file_location("router_timing", SCRIPTS / "router_timing.py")
     assert spec is not None and spec.loader is not None
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)

@@ -36,7 +36,7 @@ MAX_BLOCK_N = 64
 MAX_CHUNKS_PER_SPLIT = 256
 #: the chunks a range holds at most by default (2,048 keys at 64-key chunks). Where few heads read
 #: every key (MSR 0.875: one KV head in eight), filling the GPU with programs of *all* heads leaves
-#: the reading heads' programs long and serial: on an H100 at 128K keys (results/bench/decode-kernel-splits/, tools/
+#: the reading heads' programs long and serial: on an H100 at 128K keys (results/bench/decode-kernel-splits/, scripts/
 #: decode_host_timing.py --splits) 33 ranges of 63 chunks took 138 us of GPU time a call, 66 ranges of
 #: 32 chunks 91 us (host-bound: the GPU time is below it), 132 and 264 ranges the same
 SPLIT_CHUNKS = 32
@@ -278,7 +278,7 @@ def _plan(
     query and KV heads, head dim, dtype, device, its shared memory, ``kv_capacity`` and the
     ``splits`` asked). A decode step's layers share their selections, and the plan reads only the
     tables' shapes, strides and dtype, which a selection (frozen) never changes: making it at every
-    layer cost about 7 us of host time of a call's 29 (tools/decode_host_timing.py --no-launch on
+    layer cost about 7 us of host time of a call's 29 (scripts/decode_host_timing.py --no-launch on
     the CPU)."""
     batch, hq, _, dim = q.shape
     limit = shared_memory_limit(q.device)

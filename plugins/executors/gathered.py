@@ -42,7 +42,7 @@ __all__ = [
 #: (:func:`decode_key_bias`) while that call attends at most this many (sample, query head, key)
 #: pairs the sparse heads' layout drops; above, as two calls (the dense heads, then the sparse
 #: ones over their own keys). On the 2-core CPU machine at the default model's shape (9 / 3 heads,
-#: head dim 64, 6 sparse heads, streaming sink 64 / window 256; ``tools/cpu_routed_decode_timing.py``,
+#: head dim 64, 6 sparse heads, streaming sink 64 / window 256; ``scripts/cpu_routed_decode_timing.py``,
 #: ``results/bench/routed-decode-masked-call/cpu_routed_decode.json``): batch 1 at 1,441 keys (6,726 pairs)
 #: 0.21 ms against 0.32 for the two calls (dense 0.13); the two calls slightly ahead at 4,097 keys
 #: (22,662 pairs: 0.44 against 0.41) and at batch 4 and 1,441 keys (26,904: 0.58 against 0.56),

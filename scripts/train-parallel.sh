@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# On a lent GPU (after tools/device-session.sh has assembled the default model): train several
+# On a lent GPU (after scripts/device-session.sh has assembled the default model): train several
 # router recipes side by side on the one GPU, then pack the runs (without checkpoints) into
 # $OUT/train.tgz and their logs into $OUT/logs.tgz.
-#   bash tools/device-session.sh run -- bash tools/train-parallel.sh \
+#   bash scripts/device-session.sh run -- bash scripts/train-parallel.sh \
 #       "NAME|RECIPE|override override ..." "NAME2|RECIPE2|..." ...
 # Each run writes /tmp/elasticfw-device/train/NAME (elasticfw train RECIPE --overwrite --output ...).
 # A call lasts at most 10 minutes, so longer runs span calls while the machine stays warm:

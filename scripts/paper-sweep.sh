@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# On a lent GPU (after tools/device-session.sh has assembled the model): run the paper's sweep,
+# On a lent GPU (after scripts/device-session.sh has assembled the model): run the paper's sweep,
 # or resume it when an earlier call of this warm machine ran out of time, and pack its folder
 # into $OUT/sweep.tgz (a call brings back only a few files). Build the report at home:
 #   tar -xzf sweep.tgz -C results/compare/smollm2-paper-sweep && elasticfw report results/compare/smollm2-paper-sweep
-# Usage: bash tools/device-session.sh run -- bash tools/paper-sweep.sh [recipe overrides ...]
+# Usage: bash scripts/device-session.sh run -- bash scripts/paper-sweep.sh [recipe overrides ...]
 set -uo pipefail
 S=/tmp/elasticfw-device/sweep
 flag=--overwrite

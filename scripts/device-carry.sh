@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Build what tools/device-session.sh carries to a lent GPU machine, from this checkout's .venv:
+# Build what scripts/device-session.sh carries to a lent GPU machine, from this checkout's .venv:
 #   .whl/          Python 3.12 wheels of the packages the device image lacks, at the versions
 #                  .venv has (so the GPU runs what CI tested)
 #   .gguf/pK/partK the default model's GGUF file in 15 MB pieces (one per call; see
 #                  docs/how-to/run-on-gpu.md, "On a lent machine without network")
-# Both folders are git-ignored. Run `make setup` first. Usage: bash tools/device-carry.sh
+# Both folders are git-ignored. Run `make setup` first. Usage: bash scripts/device-carry.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python

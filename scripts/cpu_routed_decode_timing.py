@@ -1,7 +1,7 @@
 """One routed layer's decode step through the split executor on the CPU: one masked SDPA call
 against two calls (the dense heads, then the streaming heads over their own keys), and dense SDPA.
 
-    python tools/cpu_routed_decode_timing.py --json results/bench/routed-decode-masked-call/cpu_routed_decode.json
+    python scripts/cpu_routed_decode_timing.py --json results/bench/routed-decode-masked-call/cpu_routed_decode.json
 
 At the default model's attention shape (SmolLM2-135M: 9 query heads, 3 KV heads, head dim 64,
 float32), one query per sample at the last of S keys (``SeqInfo.dense``: no padding), KV head 0
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from decode_host_timing import _timed  # tools/ is the script's folder: sys.path[0]
+from decode_host_timing import _timed  # the script's folder is sys.path[0]
 
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.provenance import environment

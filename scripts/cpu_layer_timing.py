@@ -1,7 +1,7 @@
 """One attention layer per sparse mode on the CPU: planning and the split executor's attention, at
 prefill and at a decode step, against full attention (where the CPU demo's time goes).
 
-    python tools/cpu_layer_timing.py --json results/bench/NAME/cpu_layers.json
+    python scripts/cpu_layer_timing.py --json results/bench/NAME/cpu_layers.json
 
 At the default model's attention shape (SmolLM2-135M: 9 query heads, 3 KV heads, head dim 64) and
 the CPU demo's batch (4 samples of 1,440 tokens, float32), on the attention benchmark's structured

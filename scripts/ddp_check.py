@@ -2,13 +2,13 @@
 
 Issues 7 and 9 ask to show on two GPUs of one host that data-parallel training at the same global
 batch follows one process's losses, and that a sweep sharded over two processes gives the same
-rows and table as one. Run on the lent two-GPU machine after ``tools/device-session.sh`` has
+rows and table as one. Run on the lent two-GPU machine after ``scripts/device-session.sh`` has
 assembled the default model::
 
-    python tools/ddp_check.py train --out $OUT/train                 # 1 process, then 2, then compare
-    python tools/ddp_check.py sweep --procs 1 --out $OUT/sweep1      # one folder per run
-    python tools/ddp_check.py sweep --procs 2 --out $OUT/sweep2
-    python tools/ddp_check.py compare-sweeps OUT/sweep1 OUT/sweep2 --out results/compare/ddp-h200x2/check.json
+    python scripts/ddp_check.py train --out $OUT/train                 # 1 process, then 2, then compare
+    python scripts/ddp_check.py sweep --procs 1 --out $OUT/sweep1      # one folder per run
+    python scripts/ddp_check.py sweep --procs 2 --out $OUT/sweep2
+    python scripts/ddp_check.py compare-sweeps OUT/sweep1 OUT/sweep2 --out results/compare/ddp-h200x2/check.json
 
 Each run's command, wall time and exit status go into ``<out>/run.json``; ``train`` also writes
 ``check.json`` (per-step differences and the speed-up), ``compare-sweeps`` compares the rows

@@ -1,7 +1,7 @@
 """Where the ``mlp`` router's inference time goes: the host's code, Triton's launch, the GPU kernel.
 
-    python tools/router_timing.py --json results/bench/NAME/router_timing.json      # on a GPU
-    python tools/router_timing.py --device cpu --no-launch --layers 4           # host code only, any machine
+    python scripts/router_timing.py --json results/bench/NAME/router_timing.json      # on a GPU
+    python scripts/router_timing.py --device cpu --no-launch --layers 4           # host code only, any machine
 
 At the Llama-3.1-8B shape (``--layers`` routed layers, 8 KV heads, head dim 128, B 1, bf16 keys of
 ``--tokens`` tokens; the router's default configuration, ``kernel: auto``), each piece runs one
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from decode_host_timing import _NoLaunch, _timed, cprofile_text  # tools/ is the script's folder: sys.path[0]
+from decode_host_timing import _NoLaunch, _timed, cprofile_text  # the script's folder is sys.path[0]
 
 from elasticfw.atomic import atomic_write_text
 from elasticfw.attention.seq import SeqInfo

@@ -1,8 +1,8 @@
 """Time the NSA and MoBA planners (``build_layout``) with their torch and Triton backends against
 one dense causal cuDNN SDPA layer at the same shape, on a CUDA device.
 
-    python tools/planner_timing.py                       # 128K, B=1, Hq 32, Hkv 8, d 128, bf16
-    python tools/planner_timing.py --tokens 32768 --skip-torch --nsa-tiles 256,64 128,64 256,128
+    python scripts/planner_timing.py                       # 128K, B=1, Hq 32, Hkv 8, d 128, bf16
+    python scripts/planner_timing.py --tokens 32768 --skip-torch --nsa-tiles 256,64 128,64 256,128
 
 Inputs are the attention benchmark's structured q/k (``elasticfw.bench.inputs.structured_qkv``).
 Prints the median of ``--repeats`` CUDA-event-timed calls (after a warm-up call, which compiles
@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 
 import torch
-from xattention_planning_timing import (  # tools/ is the script's folder: sys.path[0]
+from xattention_planning_timing import (  # the script's folder is sys.path[0]
     add_shape_arguments,
     dense_layer,
     structured_layer,

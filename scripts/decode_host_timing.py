@@ -1,7 +1,7 @@
 """Host time of one routed layer's decode attention, piece by piece (a decode step is host-bound).
 
-    python tools/decode_host_timing.py --json results/bench/NAME/decode_host.json        # on a GPU, 32K
-    python tools/decode_host_timing.py --cprofile 200                               # and where it goes
+    python scripts/decode_host_timing.py --json results/bench/NAME/decode_host.json        # on a GPU, 32K
+    python scripts/decode_host_timing.py --cprofile 200                               # and where it goes
 
 At the Llama-3.1-8B attention shape (Hq 32 / Hkv 8, d 128, bf16, one query row over ``--tokens``
 keys, FA-SSA with sink 128 / window 2,048 at MSR 0.875: the first KV head full), each piece runs

@@ -8,9 +8,9 @@ and a surrogate LM loss: on sensitive prompts, each head of a given set kept ful
 and each of them sparse costs `--ce`. Each grid entry (JSON keyword arguments of `run`) prints
 the held-out MSR per task.
 
-    python tools/router_surrogate.py collect results/train/smollm2-fa-ssa/mlp/adapter \
+    python scripts/router_surrogate.py collect results/train/smollm2-fa-ssa/mlp/adapter \
         recipes/train/smollm2-fa-ssa.yaml --per-task 48 --out pooled.pt
-    python tools/router_surrogate.py train pooled.pt '[{}, {"norm": "center"}, {"ste": "linear"}]'
+    python scripts/router_surrogate.py train pooled.pt '[{}, {"norm": "center"}, {"ste": "linear"}]'
 
 `--retrieval-heads` (a JSON (layers x heads) 0/1 list, 1 = must stay full on sensitive prompts)
 defaults to the heads that the adapter used for `collect` keeps full on average.

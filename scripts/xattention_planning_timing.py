@@ -1,8 +1,8 @@
 """Time XAttention planning (``build_layout``) with the torch and the Triton planning backends
 against one dense causal cuDNN SDPA layer at the same shape, on a CUDA device.
 
-    python tools/xattention_planning_timing.py                  # 128K, B=1, Hq 32, Hkv 8, d 128, bf16
-    python tools/xattention_planning_timing.py --tokens 32768 --repeats 10
+    python scripts/xattention_planning_timing.py                  # 128K, B=1, Hq 32, Hkv 8, d 128, bf16
+    python scripts/xattention_planning_timing.py --tokens 32768 --repeats 10
 
 Prints the median of ``--repeats`` CUDA-event-timed calls (after a warm-up call, which compiles
 the Triton kernels) for: the dense SDPA layer (K/V repeated to Hq outside the timed region if

@@ -1,7 +1,7 @@
 """Where the Triton sparse-attention kernels spend their time, per mode, on a CUDA device.
 
-    python tools/sparse_kernel_timing.py --json results/bench/NAME/kernel_timing.json      # 128K, Llama-3.1-8B shape
-    python tools/sparse_kernel_timing.py --tokens 32768 --modes moba --profile
+    python scripts/sparse_kernel_timing.py --json results/bench/NAME/kernel_timing.json      # 128K, Llama-3.1-8B shape
+    python scripts/sparse_kernel_timing.py --tokens 32768 --modes moba --profile
 
 For each mode's default layout on the attention benchmark's structured q/k (XAttention, NSA,
 streaming: block layouts; MoBA: per-token row selection), prints the median of ``--repeats``
@@ -42,7 +42,7 @@ import json
 from pathlib import Path
 
 import torch
-from xattention_planning_timing import (  # tools/ is the script's folder: sys.path[0]
+from xattention_planning_timing import (  # the script's folder is sys.path[0]
     add_shape_arguments,
     dense_layer,
     structured_layer,

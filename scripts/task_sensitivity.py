@@ -1,7 +1,7 @@
 """Which tasks lose accuracy under sparse attention? Every registered task (or those named), at
 several context lengths, under full attention and with every head in each sparse mode.
 
-    python tools/task_sensitivity.py --lengths 500 1500 --samples 30 --out results/tasks/sensitivity.json
+    python scripts/task_sensitivity.py --lengths 500 1500 --samples 30 --out results/tasks/sensitivity.json
 
 The premise of Elastic Attention (arXiv 2601.17367, §1, §4): sparsity-sensitive tasks (retrieval,
 QA) lose much more than sparsity-robust ones (code, in-context learning, summaries). Prints a

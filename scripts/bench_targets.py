@@ -1,9 +1,9 @@
 """The speed targets' figures in one command: the GPU benchmarks, the CPU demo timing, then targets.json.
 
-    python tools/bench_targets.py gpu --out results/bench/speed-targets       # on one H200, about 8-10 min
-    python tools/bench_targets.py gpu --steps attention --out ...          # or one step per call
-    python tools/bench_targets.py demo-cpu --out results/bench/speed-targets  # on a 2-core CPU, about 7 min
-    python tools/bench_targets.py targets --out results/bench/speed-targets   # targets.json from the JSONs there
+    python scripts/bench_targets.py gpu --out results/bench/speed-targets       # on one H200, about 8-10 min
+    python scripts/bench_targets.py gpu --steps attention --out ...          # or one step per call
+    python scripts/bench_targets.py demo-cpu --out results/bench/speed-targets  # on a 2-core CPU, about 7 min
+    python scripts/bench_targets.py targets --out results/bench/speed-targets   # targets.json from the JSONs there
 
 ``gpu`` runs, each in its own process (one crash does not lose the others) and each writing its
 JSON under ``--out`` as it goes:
@@ -47,16 +47,16 @@ Before them ``--steps gpu-tests`` runs the GPU tests of the kernels (``pytest -m
    with ``gather_merge: entries`` (one launch over every entry, then one merge; checked against the
    reference at 4K first) beside the default's per-rank passes.
 
-7. ``variants/kernel_timing.json`` (only with ``--steps kernels``): ``tools/sparse_kernel_timing.py
+7. ``variants/kernel_timing.json`` (only with ``--steps kernels``): ``scripts/sparse_kernel_timing.py
    --profile --triton-work-lists``, per mode the Triton kernels' work lists (torch, and the
    one-launch Triton builder), kernel and whole call, the gather path, and profiler tables (where
    the per-token MoBA time goes).
 
-8. ``variants/decode_host.json`` (only with ``--steps decode-host``): ``tools/decode_host_timing.py
+8. ``variants/decode_host.json`` (only with ``--steps decode-host``): ``scripts/decode_host_timing.py
    --cprofile 200``, the host time of one routed layer's decode attention piece by piece (dense SDPA,
    the Triton decode kernel, the split executor's routed call) and where the kernel's call spends it.
 
-9. ``variants/router_timing.json`` (only with ``--steps router-host``): ``tools/router_timing.py
+9. ``variants/router_timing.json`` (only with ``--steps router-host``): ``scripts/router_timing.py
    --cprofile 100``, where the router's time per layer goes: its Python, Triton's launch, and the
    kernel's own GPU time (a CUDA graph replay), which says whether the router figure is bound by
    the host or by the kernel.

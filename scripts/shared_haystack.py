@@ -7,7 +7,7 @@ ones and writes each one's MSR. A router that routes by task label alone (it can
 one) or by the haystack would give a swapped prompt the MSR of its haystack's task; a router that
 reads the question moves it toward the question's task.
 
-    python tools/shared_haystack.py ADAPTER RECIPE --pairs passkey:code_completion passkey:fewshot \
+    python scripts/shared_haystack.py ADAPTER RECIPE --pairs passkey:code_completion passkey:fewshot \
         niah_single:code_completion --samples 12 --swap 120 --out results/train/smollm2-fa-ssa/shared_haystack.json
 """
 

@@ -1,6 +1,6 @@
 """Time the FA-SSA layer's streaming launch under a few FlexAttention tile configurations (one GPU).
 
-    python tools/flex_tuning.py --seq 131072 --out results/bench/flex-streaming-tiles/flex_tuning.json
+    python scripts/flex_tuning.py --seq 131072 --out results/bench/flex-streaming-tiles/flex_tuning.json
 
 The `split` executor runs a layer's streaming heads through FlexAttention over the streaming
 layout (sink 128, local 2048, blocks of 64, coarsened to 128-token kernel tiles) with the dense

@@ -16,10 +16,10 @@ mutants and applies them; this script adds what a 2-core machine needs to afford
   survivor with its diff, as Markdown and JSON.
 
     pip install -e ".[mutation]"
-    python tools/mutation.py prepare --work /tmp/elasticfw-mutation          # ~10 min on 2 cores
-    python tools/mutation.py init    --work /tmp/elasticfw-mutation --sample 200 --seed 0
-    python tools/mutation.py run     --work /tmp/elasticfw-mutation          # ~20 s a mutant
-    python tools/mutation.py report  --work /tmp/elasticfw-mutation --out results/mutation \\
+    python scripts/mutation.py prepare --work /tmp/elasticfw-mutation          # ~10 min on 2 cores
+    python scripts/mutation.py init    --work /tmp/elasticfw-mutation --sample 200 --seed 0
+    python scripts/mutation.py run     --work /tmp/elasticfw-mutation          # ~20 s a mutant
+    python scripts/mutation.py report  --work /tmp/elasticfw-mutation --out results/mutation \\
         --equivalent results/mutation/equivalent.json
 
 The worktree imports its own code: ``PYTHONPATH`` puts the worktree (package ``elasticfw``) and a

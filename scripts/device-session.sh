@@ -6,12 +6,12 @@
 # 98 MB GGUF. So the GGUF travels in numbered pieces, .gguf/p0/part0, .gguf/p1/part1, ... (see
 # docs/how-to/run-on-gpu.md, "On a lent machine"), one or more per call, each call within 30 s of
 # the last while the machine is warm:
-#   call 1, carry [.whl]:              bash tools/device-session.sh stage-a
-#   calls 2.., carry [.gguf/pK]:       bash tools/device-session.sh stage-a
-#   last call, carry [.gguf/pN]:       bash tools/device-session.sh stage-b -- <command ...>
-#   later calls while warm:            bash tools/device-session.sh run -- <command ...>
+#   call 1, carry [.whl]:              bash scripts/device-session.sh stage-a
+#   calls 2.., carry [.gguf/pK]:       bash scripts/device-session.sh stage-a
+#   last call, carry [.gguf/pN]:       bash scripts/device-session.sh stage-b -- <command ...>
+#   later calls while warm:            bash scripts/device-session.sh run -- <command ...>
 #   no default model needed (benchmarks with random weights), carry [.whl]:
-#                                      bash tools/device-session.sh bare -- <command ...>
+#                                      bash scripts/device-session.sh bare -- <command ...>
 # stage-a installs carried wheels and keeps carried pieces; stage-b also joins the pieces in order
 # and checks the sha256. Every stage re-installs this checkout (no deps, editable), exports
 # ELASTICFW_SMOLLM2_GGUF and a cache folder, prints the versions, then runs the command with its
@@ -57,7 +57,7 @@ esac
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export ELASTICFW_SMOLLM2_GGUF=$GGUF ELASTICFW_CACHE=$STORE/cache
 # the device copy's .git is the session's first checkout, not the tree that travelled: the commit comes
-# from .whl/COMMIT (written here before the call: tools/device-carry.sh, or `git rev-parse HEAD > .whl/COMMIT`)
+# from .whl/COMMIT (written here before the call: scripts/device-carry.sh, or `git rev-parse HEAD > .whl/COMMIT`)
 if [ -z "${ELASTICFW_COMMIT:-}" ] && [ -f .whl/COMMIT ]; then ELASTICFW_COMMIT=$(cat .whl/COMMIT); fi
 export ELASTICFW_COMMIT=${ELASTICFW_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 \
