@@ -9,8 +9,8 @@ from typing import Any, ClassVar
 import torch
 
 from elasticfw.attention.inputs import NOT_GIVEN, check_attention_inputs
-from elasticfw.attention.layout import BlockLayout
-from elasticfw.attention.mode import AttentionOutput, routed_layout
+from elasticfw.attention.layout import BlockLayout, routed_layout
+from elasticfw.attention.output import AttentionOutput
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError
 from elasticfw.registry import PluginConfig
@@ -140,7 +140,7 @@ class Executor(ABC):
         ``layouts[0]`` (the retrieval mode's). Side branches are not included (the caller merges
         them). Same inputs, outputs and gradients as :meth:`attend` over the per-head combination.
 
-        Default: one :meth:`attend` launch over :func:`~elasticfw.attention.mode.routed_layout`, so
+        Default: one :meth:`attend` launch over :func:`~elasticfw.attention.layout.routed_layout`, so
         executors written before this hook keep working. An executor that runs head groups through
         different kernels (e.g. dense causal heads through a dense kernel) overrides it."""
         return self.attend(q, k, v, routed_layout(hard, layouts, seq), seq, scale=scale, need_lse=need_lse)

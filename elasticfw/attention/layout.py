@@ -460,3 +460,11 @@ def kv_block_lists(layout: BlockLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """FlexAttention's format: ``kv_num_blocks`` (B,H,NQB) int32 and ``kv_indices`` (B,H,NQB,NKB) int32,
     the selected key blocks first, in ascending order (:func:`index_lists` of ``layout.blocks``)."""
     return index_lists(layout.blocks)
+
+
+def routed_layout(hard: torch.Tensor, layouts: tuple[BlockLayout, BlockLayout], seq: SeqInfo) -> BlockLayout:
+    """One per-head layout for routed heads: ``hard`` (B, Hq) True takes ``layouts[1]`` (sparse),
+    False ``layouts[0]`` (retrieval), both re-expressed at the smaller block size."""
+    lay_r, lay_s = layouts
+    bs = min(lay_r.block_size, lay_s.block_size)
+    return select_heads(hard, rescale(lay_s, seq, bs), rescale(lay_r, seq, bs))

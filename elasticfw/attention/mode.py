@@ -1,4 +1,11 @@
-"""The contract of an attention mode plugin (full attention, streaming, XAttention, MoBA, ...)."""
+"""The contract of an attention mode plugin (full attention, streaming, XAttention, MoBA, ...).
+
+A mode builds a layout and runs it with an :class:`~elasticfw.attention.executor.Executor`, so this
+module builds on the executor's contract. What an attention call returns
+(:class:`~elasticfw.attention.output.AttentionOutput`, :func:`~elasticfw.attention.output.merge_lse`)
+and the routed heads' combined layout (:func:`~elasticfw.attention.layout.routed_layout`) are
+defined below both and importable from here too.
+"""
 
 from __future__ import annotations
 
@@ -6,42 +13,18 @@ import functools
 import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
+from elasticfw.attention.executor import Executor
 from elasticfw.attention.inputs import check_attention_inputs
-from elasticfw.attention.layout import BlockLayout, rescale, select_heads
+from elasticfw.attention.layout import BlockLayout
+from elasticfw.attention.layout import routed_layout as routed_layout  # re-exported
+from elasticfw.attention.output import AttentionOutput, merge_lse
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import UnsupportedInputError
 from elasticfw.registry import PluginConfig
-
-if TYPE_CHECKING:
-    from elasticfw.attention.executor import Executor
-
-
-@dataclass(frozen=True)
-class AttentionOutput:
-    """``out`` (B, Hq, Sq, D) in the input dtype and ``lse`` (B, Hq, Sq) float32 (natural log).
-
-    Rows that attend to nothing have ``out == 0`` and ``lse == -inf``. ``lse`` may be ``None``
-    when the caller did not ask for it (``need_lse=False``) and the executor skips it.
-    """
-
-    out: torch.Tensor
-    lse: torch.Tensor | None
-
-
-def merge_lse(a: AttentionOutput, b: AttentionOutput) -> AttentionOutput:
-    """Combine two attentions over disjoint key sets as one softmax over their union."""
-    if a.lse is None or b.lse is None:
-        raise ValueError("merge_lse needs both log-sum-exps: call the executor with need_lse=True")
-    lse = torch.logaddexp(a.lse, b.lse)
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    wa = torch.where(torch.isfinite(a.lse), torch.exp(a.lse - safe), torch.zeros_like(lse))
-    wb = torch.where(torch.isfinite(b.lse), torch.exp(b.lse - safe), torch.zeros_like(lse))
-    out = a.out.float() * wa[..., None] + b.out.float() * wb[..., None]
-    return AttentionOutput(out.to(a.out.dtype), lse)
 
 
 @dataclass(frozen=True)
@@ -231,14 +214,6 @@ class AttentionMode(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config!r})"
-
-
-def routed_layout(hard: torch.Tensor, layouts: tuple[BlockLayout, BlockLayout], seq: SeqInfo) -> BlockLayout:
-    """One per-head layout for routed heads: ``hard`` (B, Hq) True takes ``layouts[1]`` (sparse),
-    False ``layouts[0]`` (retrieval), both re-expressed at the smaller block size."""
-    lay_r, lay_s = layouts
-    bs = min(lay_r.block_size, lay_s.block_size)
-    return select_heads(hard, rescale(lay_s, seq, bs), rescale(lay_r, seq, bs))
 
 
 def attend_routed(
