@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -30,10 +30,23 @@ from elasticfw.model.bridge import KeyPaddingInfo
 from elasticfw.model.canonical import Canonical, Padding, canonicalize
 from elasticfw.routing.base import Router, RouterDecision
 
-if TYPE_CHECKING:
-    from elasticfw.model.kv_cache import ElasticKVLayer
-
 Observer = Callable[[int, Canonical, float], None]
+
+
+class HandoffLayer(Protocol):
+    """What the runtime needs of a KV-cache layer that pairs with a layer's attention call (the
+    compact cache's :class:`~elasticfw.model.kv_cache.ElasticKVLayer`): whether it has compacted its
+    keys, compacting them after the prefill, and the decode attention over what it kept."""
+
+    @property
+    def compacted(self) -> bool: ...
+
+    def compact(self, can: Canonical, sparse: torch.Tensor | None, *, mixing: bool = False) -> None: ...
+
+    def attend(
+        self, q: torch.Tensor, info: KeyPaddingInfo | None, *, scale: float, executor: Executor
+    ) -> torch.Tensor: ...
+
 
 #: layouts kept by :attr:`ElasticRuntime.layout_cache` (oldest dropped first): a few shapes at once
 LAYOUT_CACHE_SIZE = 8
@@ -80,7 +93,7 @@ class ElasticRuntime:
     route_lengths: torch.Tensor | None = None
     #: set by a compact KV cache's ``update`` (:mod:`elasticfw.model.kv_cache`): layer -> (its cache
     #: layer, the keys it returned), so that the attention call that follows is paired with it
-    kv_handoff: dict[int, tuple[ElasticKVLayer, torch.Tensor]] = field(default_factory=dict)
+    kv_handoff: dict[int, tuple[HandoffLayer, torch.Tensor]] = field(default_factory=dict)
     #: layouts of modes that depend only on ``seq`` (``layout_depends_on_inputs = False``), kept per
     #: (mode, SeqInfo.host_signature, window): every layer of a forward gets the same object, so an
     #: executor converts it once (see :meth:`_layouts`)
