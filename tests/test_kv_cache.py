@@ -1,4 +1,4 @@
-"""The compact KV cache (issue 11): sparse heads keep only what their mode reads at decode.
+"""The compact KV cache: sparse heads keep only what their mode reads at decode.
 
 Independent definitions: greedy generation with transformers' full dynamic cache under the same
 routing (token equality), the mode's own ``build_layout`` at decode positions (what a declared
