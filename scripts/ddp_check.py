@@ -1,8 +1,8 @@
 """Two GPUs against one: the same training run and the same sweep under ``torchrun``.
 
 Shows on two GPUs of one host that data-parallel training at the same global batch follows one
-process's losses, and that a sweep sharded over two processes gives the same rows and table as one. Run on the lent two-GPU machine after ``scripts/device-session.sh`` has
-assembled the default model::
+process's losses, and that a sweep sharded over two processes gives the same rows and table as one.
+Run on the lent two-GPU machine after ``scripts/device-session.sh`` has assembled the default model::
 
     python scripts/ddp_check.py train --out $OUT/train                 # 1 process, then 2, then compare
     python scripts/ddp_check.py sweep --procs 1 --out $OUT/sweep1      # one folder per run
