@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from mode_definitions.nsa import DEFINITION as NSA_DEFINITION
 
-import elasticfw.attention.mode as mode_module
+import elasticfw.attention.layout as layout_module
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.model.elastic import ElasticModel
 from elasticfw.recipe import validate_recipe_data
@@ -235,8 +235,8 @@ def _control() -> dict[int, float]:
 
 
 def test_negative_control_swapped_sparse_and_full_heads_fail(monkeypatch):
-    real = mode_module.select_heads  # the one-launch path (attend_routed) combines the layouts there
-    monkeypatch.setattr(mode_module, "select_heads", lambda use_first, a, b: real(~use_first, a, b))
+    real = layout_module.select_heads  # the one-launch path (attend_routed) combines the layouts there
+    monkeypatch.setattr(layout_module, "select_heads", lambda use_first, a, b: real(~use_first, a, b))
     errors = _control()
     # the mixed layers (0 and 1) now run streaming on the full heads and vice versa
     assert errors[0] > 1e-3 and errors[1] > 1e-3, errors
@@ -244,14 +244,14 @@ def test_negative_control_swapped_sparse_and_full_heads_fail(monkeypatch):
 
 
 def test_negative_control_wrong_gqa_group_fails(monkeypatch):
-    real = mode_module.select_heads
+    real = layout_module.select_heads
 
     def tiled(use_first, a, b):  # query head h -> KV head h % Hkv (repeat) instead of h // group
         batch, hq = use_first.shape
         hkv = 2
         return real(use_first.view(batch, hkv, hq // hkv).transpose(1, 2).reshape(batch, hq), a, b)
 
-    monkeypatch.setattr(mode_module, "select_heads", tiled)
+    monkeypatch.setattr(layout_module, "select_heads", tiled)
     errors = _control()
     assert errors[0] > 1e-3 and errors[1] > 1e-3, errors
 
