@@ -31,7 +31,7 @@ from elasticfw.attention.seq import SeqInfo
 from elasticfw.bench.timing import DTYPES, Recorder, causal_flops, make_executor, time_ms
 from elasticfw.provenance import environment
 
-#: the issue's criteria: (figure, density, row field, limit): the row's ratio at ``density`` <= limit
+#: the kernel's speed criteria: (figure, density, row field, limit): the row's ratio at ``density`` <= limit
 CRITERIA = (
     ("density 0.5 / own density 1", 0.5, "ratio_vs_full", 0.6),
     ("density 1 / dense cuDNN", 1.0, "ratio_vs_cudnn", 1.25),
@@ -149,7 +149,7 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
 
 
 def criteria(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per sequence length: the issue's two criteria for the configuration fastest at density 1."""
+    """Per sequence length: the kernel's two speed criteria for the configuration fastest at density 1."""
     out = []
     for S in sorted({r["seq"] for r in rows}):
         timed = [r for r in rows if r["seq"] == S and r.get("ms") is not None and "config" in r]

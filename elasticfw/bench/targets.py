@@ -30,7 +30,7 @@ PLANNING = {"xattention": ("XAttention", 0.10), "nsa": ("NSA", 0.15), "moba": ("
 MSR = 0.875
 STREAMING_HYBRID = f"hybrid(full+streaming,msr={MSR})"
 
-#: (figure, target, "<=" or ">=") in the issue's order; the mode layers follow the planning rows
+#: (figure, target, "<=" or ">=") in the targets table's order; the mode layers follow the planning rows
 FIGURES: list[tuple[str, float, str]] = [
     ("layer, FA-SSA (sink 128, local 2048) MSR 0.875 @128K / dense cuDNN", 0.15, "<="),
     ("layer, all heads full (MSR 0) @128K / dense cuDNN", 1.05, "<="),
@@ -40,7 +40,7 @@ FIGURES: list[tuple[str, float, str]] = [
     *[(f"{label} planning @128K / dense", target, "<=") for label, target in PLANNING.values()],
     ("router, all layers, per layer", 0.1, "<="),
     ("CPU (2 cores), demo at 1.4K tokens: all-streaming time / full time", 1.0, "<="),
-    # the block-sparse kernel's criteria (the issue's "What to build")
+    # the block-sparse kernel's speed criteria
     ("block-sparse kernel @128K: 50% block density / its own 100% time", 0.6, "<="),
     ("block-sparse kernel @128K: 100% block density / dense cuDNN", 1.25, "<="),
 ]
@@ -68,7 +68,7 @@ def _ms(rows: list[dict[str, Any]], name: str, kind: str, seq: int) -> float | N
     return None
 
 
-#: the setup the table's figures are of (the issue: Llama-3.1-8B attention, bf16, batch 1)
+#: the setup the table's figures are of (Llama-3.1-8B attention, bf16, batch 1)
 SHAPE = {"batch": 1, "q_heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bf16"}
 STREAMING = {"sink_tokens": 128, "local_tokens": 2048}
 
@@ -204,7 +204,7 @@ def _attention(data: dict[str, Any]) -> dict[str, float | None]:
 
 def _prefill(data: dict[str, Any]) -> dict[str, float | None]:
     rows = [r for r in data.get("results", []) if r.get("error") is None and r.get("speedup") is not None]
-    model = "llama-3.1-8b"  # the issue's figures are of this shape; another model's run answers none of them
+    model = "llama-3.1-8b"  # the targets' figures are of this shape; another model's run answers none of them
 
     def speedup(variant: str, seq: int) -> float | None:
         for r in rows:
