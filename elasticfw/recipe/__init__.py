@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 from elasticfw.errors import RecipeError, suggest
 from elasticfw.recipe.loader import load_recipe_dict, merge_sections
 from elasticfw.recipe.schema import PLUGIN_FIELDS, merge_variants, recipe_defaults, recipe_model
+from elasticfw.recipe.sections import LIST_PLUGIN_FIELDS
 from elasticfw.registry import Registry, get_registry, unknown_name_message
 
 __all__ = ["load_recipe", "validate_recipe_data", "recipe_model", "recipe_defaults", "format_validation_error"]
@@ -159,7 +160,9 @@ def format_validation_error(
             lines.append(f"{path}: unknown key; {hint}allowed keys here: {', '.join(allowed) or '(none)'}")
         elif kind in ("union_tag_invalid", "union_tag_not_found"):
             field = parts[-1] if parts else ""
-            plugin_kind = PLUGIN_FIELDS.get(field, "plugin")
+            if len(parts) >= 2 and parts[-2] in LIST_PLUGIN_FIELDS and field.isdigit():  # modes.1
+                field = parts[-2]
+            plugin_kind = PLUGIN_FIELDS.get(field) or LIST_PLUGIN_FIELDS.get(field, "plugin")
             tag = (err.get("ctx") or {}).get("tag")
             raw = value.get("name", _MISSING) if isinstance(value, dict) else _MISSING
             if raw is not _MISSING and not isinstance(raw, str):  # pydantic shows `name: null` as 'None'

@@ -21,11 +21,16 @@ from pydantic import (
     ValidationInfo,
     create_model,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
 from elasticfw.errors import suggest
-from elasticfw.recipe.sections import PLUGIN_FIELDS, merge_sections  # PLUGIN_FIELDS also importable from here
+from elasticfw.recipe.sections import (  # PLUGIN_FIELDS also importable from here
+    PLUGIN_FIELDS,
+    TWO_MODE_FIELDS,
+    merge_sections,
+)
 from elasticfw.recipe.sweep_section import SweepSettings
 from elasticfw.recipe.train_section import Target, TrainSettings, check_target
 from elasticfw.registry import Registry, get_registry
@@ -92,6 +97,15 @@ def _base_elastic_fields(registry: Registry) -> dict[str, Any]:
     return {
         "retrieval_mode": (modes, Field(full_default, description="Mode of heads routed to retrieval (FA).")),
         "sparse_mode": (modes, Field(sparse_default, description="Mode of heads routed to sparse (SA).")),
+        "modes": (
+            list[modes] | None,  # type: ignore[valid-type]
+            Field(
+                None,
+                description="K >= 2 modes, in order (mode 0 first: the retrieval mode), instead of retrieval_mode and "
+                "sparse_mode. Two modes are exactly retrieval_mode, sparse_mode. With three or more, retrieval_mode "
+                "and sparse_mode read as the first and the last mode. See docs/how-to/route-among-modes.md.",
+            ),
+        ),
         "router": (
             registry.config_union("router"),
             Field(_default_config(registry, "router", "mlp"), description="Which router assigns heads."),
@@ -127,17 +141,109 @@ def _default_config(registry: Registry, kind: str, name: str) -> Any:
     return ...  # required when the default plugin is not installed
 
 
-def _check_block_sizes(section: BaseModel) -> BaseModel:
-    a = getattr(section.retrieval_mode, "block_size", None)  # type: ignore[attr-defined]
-    b = getattr(section.sparse_mode, "block_size", None)  # type: ignore[attr-defined]
-    if a and b and max(a, b) % min(a, b):
+class ElasticBase(Section):
+    """What every ``elastic`` section has beside its fields: the mode list, however it was written.
+
+    A section written with ``modes:`` of two entries is stored as ``retrieval_mode`` and
+    ``sparse_mode`` (``modes`` is then ``None``): it is the same section as the two-mode recipe, and
+    runs bit-identically. With three or more, ``modes`` holds them and a dump writes ``modes`` only."""
+
+    def mode_configs(self) -> list[Any]:
+        """The K >= 2 mode configs in routing order (mode 0 first)."""
+        modes = getattr(self, "modes", None)
+        return list(modes) if modes else [getattr(self, "retrieval_mode"), getattr(self, "sparse_mode")]  # noqa: B009
+
+    @property
+    def num_modes(self) -> int:
+        """K, the number of modes heads are routed among."""
+        return len(self.mode_configs())
+
+    def modes_label(self) -> str:
+        """The paper's configuration name, e.g. ``full-streaming`` (``full-xattention-streaming`` for K = 3)."""
+        return "-".join(m.name for m in self.mode_configs())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _modes(cls, data: Any, handler: Any) -> Any:
+        from_modes = isinstance(data, dict) and data.get("modes") is not None
+        section = handler(_normalise_modes(data))
+        _check_modes(section, from_modes)
+        section = _stored_modes(section)
+        if section.modes is not None and section.kv_cache == "compact":
+            raise ValueError(
+                f"kv_cache = 'compact' with {section.num_modes} modes: the compact KV cache keeps the keys of two "
+                "modes only (K >= 3 is not supported yet); use kv_cache: full"
+            )
+        return section
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and data.get("modes"):  # K >= 3: the list is the section's modes
+            for key in TWO_MODE_FIELDS:
+                data.pop(key, None)
+        return data
+
+
+def _normalise_modes(data: Any) -> Any:
+    """Check the form of ``modes:`` before its entries are validated (at least two, not beside
+    ``retrieval_mode``/``sparse_mode``)."""
+    if not isinstance(data, dict) or data.get("modes") is None:
+        return data
+    modes = data["modes"]
+    given = [k for k in TWO_MODE_FIELDS if k in data]
+    if given:
         raise ValueError(
-            f"retrieval_mode.block_size={a} and sparse_mode.block_size={b} must divide one another so both "
-            "layouts can run in one launch"
+            f"modes and {' and '.join(given)} are both given: give either the mode list `modes` (K >= 2 modes) or "
+            "retrieval_mode and sparse_mode (two modes), not both (in a file that inherits the other form, set "
+            "modes: null)"
         )
-    for size in sorted({s for s in (a, b) if s}):
-        section.executor.check_layout_block_size(size)  # type: ignore[attr-defined]
-    return section
+    if not isinstance(modes, list) or len(modes) < 2:
+        shown = f"{len(modes)} entr{'y' if len(modes) == 1 else 'ies'}" if isinstance(modes, list) else repr(modes)
+        raise ValueError(f"modes = {shown}: expected a list of at least 2 mode sections (K >= 2), e.g. "
+                         "[{name: full}, {name: streaming}]")
+    return data
+
+
+def _stored_modes(section: Any) -> Any:
+    """A section validated from ``modes:`` in its stored form (the list's entries validated, and
+    their errors located, in the list)."""
+    modes = section.modes
+    if modes is None:
+        return section
+    update = {"retrieval_mode": modes[0], "sparse_mode": modes[-1]}
+    return section.model_copy(update={**update, "modes": None} if len(modes) == 2 else update)
+
+
+def _mode_paths(section: Any, from_modes: bool) -> list[str]:
+    if from_modes:
+        return [f"modes.{i}" for i in range(section.num_modes)]
+    return ["retrieval_mode", "sparse_mode"]
+
+
+def _check_modes(section: Any, from_modes: bool) -> None:
+    """Distinct modes in a ``modes`` list, block sizes that divide one another, each a size the
+    executor takes."""
+    configs, paths = section.mode_configs(), _mode_paths(section, from_modes)
+    # (retrieval_mode and sparse_mode may be the same mode: the fixed router's all-full baseline)
+    for j, b in enumerate(configs if from_modes else []):
+        for i in range(j):
+            if configs[i] == b:
+                raise ValueError(
+                    f"{paths[i]} and {paths[j]} are the same mode ({b.name}, same parameters): each mode may appear "
+                    "once; drop one, or give the two different parameters"
+                )
+    sized = [(p, getattr(c, "block_size", None)) for p, c in zip(paths, configs)]
+    sized = [(p, s) for p, s in sized if s]
+    for j, (pb, b) in enumerate(sized):
+        for pa, a in sized[:j]:
+            if max(a, b) % min(a, b):
+                raise ValueError(
+                    f"{pa}.block_size={a} and {pb}.block_size={b} must divide one another so the modes' layouts "
+                    "can run in one launch"
+                )
+    for size in sorted({s for _, s in sized}):
+        section.executor.check_layout_block_size(size)
 
 
 @functools.lru_cache(maxsize=8)
@@ -148,9 +254,8 @@ def _build_models(registry_id: int, revision: int) -> type[BaseModel]:  # revisi
     # classes as field types [arg-type]. Those lines carry error-coded ignores.
     elastic = create_model(
         "ElasticSection",
-        __base__=Section,
+        __base__=ElasticBase,
         __doc__="How heads are routed and run: the paper's {retrieval mode}-{sparse mode} configuration.",
-        __validators__={"_block_sizes": model_validator(mode="after")(_check_block_sizes)},  # type: ignore[dict-item]
         **_base_elastic_fields(registry),
     )
     evaluation = create_model(
