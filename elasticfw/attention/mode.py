@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from pydantic import Field, model_serializer
 
 from elasticfw.attention.executor import Executor
 from elasticfw.attention.inputs import check_attention_inputs
@@ -80,9 +81,27 @@ class DecodeKeep:
             & ((key_position < self.sink_tokens) | (key_position >= self.window_start(query_position)))
         )
 
+    def density(self, length: int) -> float:
+        """Fraction of the ``length * (length + 1) / 2`` causal pairs of a prefill of ``length`` tokens
+        that these keys cover (each query position ``p`` reads :meth:`visible` keys)."""
+        p = torch.arange(length, dtype=torch.float64)
+        sink = p.clamp(max=self.sink_tokens - 1) + 1 if self.sink_tokens else torch.zeros_like(p)
+        start = self.window_start(torch.arange(length)).to(torch.float64).clamp(min=self.sink_tokens)
+        return causal_density(sink + (p + 1 - start).clamp(min=0))
+
     def stored(self, length: int) -> int:
         """Keys a compact cache holds for a sequence of ``length`` tokens: the sink and the ring."""
         return min(length, self.sink_tokens) + min(max(length - self.sink_tokens, 0), self.local_tokens)
+
+
+def causal_density(keys_per_query: torch.Tensor) -> float:
+    """``keys_per_query`` (L,): keys read by the query at each position 0..L-1 of a prefill, as a
+    fraction of the L(L+1)/2 causal pairs of dense attention (what :meth:`AttentionMode.cost`
+    returns)."""
+    length = keys_per_query.shape[0]
+    if length < 1:
+        raise ValueError("causal_density needs at least one query position")
+    return float(keys_per_query.to(torch.float64).sum()) / (length * (length + 1) / 2)
 
 
 #: marks a method already wrapped by :meth:`AttentionMode.__init_subclass__`
@@ -91,6 +110,23 @@ _CHECKED = "__elasticfw_checked__"
 
 class ModeConfig(PluginConfig):
     """Base of every mode's recipe section."""
+
+    cost: float | None = Field(
+        None,
+        ge=0,
+        le=100,
+        description="Relative cost of this mode: the fraction of dense causal attention work it does (full "
+        "attention = 1). Unset: the mode's own estimate for the sequence length (AttentionMode.cost); set it, e.g. "
+        "from a measured ESR (cost = 1 - ESR), to override that estimate.",
+    )
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> Any:
+        """An unset ``cost`` is left out of dumps: a section that does not set it reads as before."""
+        data = handler(self)
+        if isinstance(data, dict) and data.get("cost", 0) is None:
+            del data["cost"]
+        return data
 
 
 class AttentionMode(ABC):
@@ -170,6 +206,23 @@ class AttentionMode(ABC):
         (``q_len`` 1) under ``decode: full`` (they prune the prefill only, as upstream). A side
         branch is not part of the layout: it is still merged where the mode has one."""
         return False
+
+    def cost(self, length: int) -> float:
+        """Relative cost of this mode on a prefill of ``length`` tokens: the fraction of dense causal
+        attention work it does (full attention 1.0). The recipe's ``cost`` when set (e.g. ``1 - ESR``
+        measured on the task), else :meth:`expected_density`."""
+        if length < 1:
+            raise ValueError(f"mode {self.name!r}: cost needs a sequence length >= 1, got {length}")
+        given = getattr(self.config, "cost", None)
+        return float(given) if given is not None else float(self.expected_density(length))
+
+    def expected_density(self, length: int) -> float:
+        """The mode's own estimate of its relative cost at ``length`` tokens: the fraction of the causal
+        (query, key) pairs its layout computes (plus a side branch's keys, where it has one). Modes whose
+        count is a function of the config (full, streaming, MoBA's per-token selection) compute it
+        exactly; data-dependent ones give an estimate and say so. Default 1.0: a mode that does not say
+        counts as dense, so a cost constraint never favours it by mistake."""
+        return 1.0
 
     def side_branch(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SeqInfo, *, scale: float

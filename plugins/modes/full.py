@@ -29,3 +29,7 @@ class FullAttention(AttentionMode):
 
     def build_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> BlockLayout:
         return causal_layout(seq, self.block_size)
+
+    def expected_density(self, length: int) -> float:
+        """Every causal pair: 1.0."""
+        return 1.0

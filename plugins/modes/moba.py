@@ -23,7 +23,7 @@ import torch
 from pydantic import Field, model_validator
 
 from elasticfw.attention.layout import BlockLayout, causal_layout
-from elasticfw.attention.mode import AttentionMode, ModeConfig
+from elasticfw.attention.mode import AttentionMode, ModeConfig, causal_density
 from elasticfw.attention.pattern_layouts import (
     key_blocks_to_layout,
     row_selection_layout,
@@ -114,6 +114,16 @@ class MobaAttention(AttentionMode):
         """:meth:`selects_every_block` (every block up to a query's own is every causal key), or a
         decode step (one query row) under ``decode: full``."""
         return self.selects_every_block(seq) or (self.config.decode == "full" and seq.q_len == 1)
+
+    def expected_density(self, length: int) -> float:
+        """Which blocks depend on the gates, but not how many: the query at ``p`` (MoBA block
+        ``c = p // moba_block_size``) reads its own block up to ``p`` and ``min(top_k - 1, c)`` whole
+        earlier blocks. Exact for ``query_granularity: token``; an estimate for ``block`` (a tile's
+        selection counted per token the same way)."""
+        size = self.config.moba_block_size
+        p = torch.arange(length, dtype=torch.float64)
+        current = torch.div(p, size, rounding_mode="floor")
+        return causal_density(p - current * size + 1 + current.clamp(max=self.config.top_k - 1) * size)
 
     def build_layout(self, q: torch.Tensor, k: torch.Tensor, seq: SeqInfo) -> BlockLayout:
         seq.check(q, k)

@@ -26,7 +26,7 @@ import torch
 from pydantic import Field, model_validator
 
 from elasticfw.attention.layout import BlockLayout, RowSelection, block_grid, causal_layout
-from elasticfw.attention.mode import AttentionMode, AttentionOutput, ModeConfig
+from elasticfw.attention.mode import AttentionMode, AttentionOutput, ModeConfig, causal_density
 from elasticfw.attention.pattern_layouts import tile_union
 from elasticfw.attention.patterns import topk_select, window_means
 from elasticfw.attention.seq import SeqInfo
@@ -297,6 +297,19 @@ class NSAAttention(AttentionMode):
         whatever the importance, and the layout is the dense causal one (no scoring; the same pairs,
         exactly: the window adds nothing)."""
         return self.config.top_n >= seq.num_key_blocks(self.config.block_size)
+
+    def expected_density(self, length: int) -> float:
+        """An estimate (which blocks the importance picks depends on q and k): the query at ``p`` reads
+        at most ``top_n`` whole selected blocks and the part of the window beyond its local blocks,
+        never more than its ``p + 1`` causal keys; with the compression branch, also the compressed
+        keys it sees, ``(p + 1 - compress_kernel) // compress_stride + 1``."""
+        cfg = self.config
+        p1 = torch.arange(1, length + 1, dtype=torch.float64)
+        beyond_local = max(cfg.window - cfg.local_blocks * cfg.block_size, 0)
+        keys = p1.clamp(max=cfg.top_n * cfg.block_size + beyond_local)
+        if cfg.compression_branch:
+            keys = keys + (torch.div(p1 - cfg.compress_kernel, cfg.compress_stride, rounding_mode="floor") + 1).clamp(min=0)
+        return causal_density(keys)
 
     def dense_at(self, seq: SeqInfo) -> bool:
         """:meth:`selects_every_block` (the compression branch, if on, is still merged)."""

@@ -94,6 +94,13 @@ class StreamingAttention(AttentionMode):
 
         return BlockLayout(blocks[:, None], bs, token_mask, partial[:, None])
 
+    def expected_density(self, length: int) -> float:
+        """Exact: the causal pairs the sink and the window cover at ``length`` tokens (prefill), under this
+        config's granularity (the keys :meth:`decode_keep` declares are those of every query position).
+        About ``2 (sink + local) / length`` once ``length`` is much longer than ``sink + local``; 1.0
+        when they cover every key."""
+        return self.decode_keep().density(length)
+
     def decode_keep(self) -> DecodeKeep:
         """Sink + window, exactly what :meth:`build_layout` reads at a decode position ``p``.
 

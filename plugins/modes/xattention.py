@@ -146,6 +146,13 @@ class XAttention(AttentionMode):
             self.config.estimator, q.device, why_not, mode="xattention", field="estimator", label="XAttention"
         )
 
+    def expected_density(self, length: int) -> float:
+        """No estimate from the config: how many blocks reach ``threshold`` of the attention mass
+        depends on the input alone, so this is 1.0 (counted as dense). Set the recipe's ``cost`` to
+        ``1 - ESR`` measured on the task (e.g. the ``esr`` of ``elasticfw eval`` with every head in this mode:
+        router ``fixed``, ``assign: all_sparse``)."""
+        return 1.0
+
     def dense_at(self, seq: SeqInfo) -> bool:
         """``threshold >= 1`` (every causal block explicitly), at most two key blocks (key block 0
         and the diagonal, both always kept, are then every causal block), or a decode step (one
