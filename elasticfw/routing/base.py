@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from elasticfw.attention.seq import SeqInfo
-from elasticfw.errors import ElasticError
+from elasticfw.errors import ElasticError, UnsupportedInputError
 from elasticfw.registry import PluginConfig
 
 
@@ -26,6 +26,8 @@ class HeadLayout:
     num_kv_heads: int
     num_q_heads: int
     head_dim: int
+    #: K, the modes a head is routed among (``elastic.modes``; 2: the retrieval and the sparse mode)
+    num_modes: int = 2
 
     @property
     def num_routed(self) -> int:
@@ -65,6 +67,11 @@ class RouterDecision:
     prob_sparse: torch.Tensor  # (B, Hkv) float in [0, 1]
     logits: torch.Tensor | None = None
     host: torch.Tensor | None = None  # (B, Hkv) float on the CPU, equal to sparse
+    #: K >= 3 modes (:meth:`of_modes`): (B, Hkv, K) one-hot, in training with the straight-through
+    #: gradient of ``probs``; ``None`` for two modes, where ``sparse`` is the decision
+    modes: torch.Tensor | None = None
+    probs: torch.Tensor | None = None  # (B, Hkv, K) the modes' probabilities
+    index_host: torch.Tensor | None = None  # (B, Hkv) int64 on the CPU: each head's mode, when known there
 
     def __post_init__(self) -> None:
         if self.host is not None and (self.host.device.type != "cpu" or self.host.shape != self.sparse.shape):
@@ -72,6 +79,50 @@ class RouterDecision:
                 f"RouterDecision.host must be a CPU tensor of sparse's shape {tuple(self.sparse.shape)}, got "
                 f"{tuple(self.host.shape)} on {self.host.device}"
             )
+        if self.modes is not None and (self.modes.dim() != 3 or self.modes.shape[:2] != self.sparse.shape):
+            raise ValueError(
+                f"RouterDecision.modes must be (batch, KV heads, K) = {tuple(self.sparse.shape)} + (K,), got "
+                f"{tuple(self.modes.shape)}"
+            )
+        if self.index_host is not None and (self.index_host.device.type != "cpu"
+                                            or self.index_host.shape != self.sparse.shape):
+            raise ValueError(
+                f"RouterDecision.index_host must be a CPU tensor of sparse's shape {tuple(self.sparse.shape)}, got "
+                f"{tuple(self.index_host.shape)} on {self.index_host.device}"
+            )
+
+    @classmethod
+    def of_modes(
+        cls,
+        modes: torch.Tensor,
+        probs: torch.Tensor,
+        logits: torch.Tensor | None = None,
+        *,
+        index_host: torch.Tensor | None = None,
+    ) -> RouterDecision:
+        """A decision among K >= 2 modes: ``modes`` (B, Hkv, K) one-hot (with its gradient in
+        training), ``probs`` their probabilities. ``sparse`` is then "not in mode 0" (the MSR of K
+        modes: the share of heads not in the first, retrieval mode) and ``prob_sparse`` its probability."""
+        return cls(sparse=1 - modes[..., 0], prob_sparse=1 - probs[..., 0], logits=logits,
+                   host=None if index_host is None else (index_host != 0).float(),
+                   modes=modes, probs=probs, index_host=index_host)
+
+    @property
+    def num_modes(self) -> int:
+        return 2 if self.modes is None else int(self.modes.shape[-1])
+
+    def one_hot(self) -> torch.Tensor:
+        """(B, Hkv, K) each head's mode as a one-hot row (two modes: ``[1 - sparse, sparse]``), with
+        the decision's gradient."""
+        if self.modes is not None:
+            return self.modes
+        return torch.stack([1 - self.sparse, self.sparse], dim=-1)
+
+    def index(self) -> torch.Tensor:
+        """(B, Hkv) int64: each head's mode (0: the retrieval mode)."""
+        if self.modes is None:
+            return (self.sparse.detach() > 0.5).long()
+        return self.modes.detach().argmax(-1)
 
     @classmethod
     def constant(
@@ -85,7 +136,8 @@ class RouterDecision:
 
 
 class Router(nn.Module, ABC):
-    """Decides, per input and per (routed layer, KV head), retrieval mode vs sparse mode.
+    """Decides, per input and per (routed layer, KV head), retrieval mode vs sparse mode (or, with
+    ``heads.num_modes`` K >= 3, one of K modes: :meth:`RouterDecision.of_modes`).
 
     One router instance serves every routed layer of a model (``layer`` below is the position
     in ``heads.routed_layers``). Learned routers hold their parameters as ordinary
@@ -96,12 +148,21 @@ class Router(nn.Module, ABC):
 
     name: ClassVar[str]
     config_class: ClassVar[type[RouterConfig]]
+    #: whether the router decides among K >= 3 modes (``heads.num_modes``); ``False``: construction with
+    #: more than two modes is refused
+    routes_k_modes: ClassVar[bool] = False
+
     def __init__(self, config: RouterConfig, heads: HeadLayout) -> None:
         super().__init__()
+        if heads.num_modes > 2 and not self.routes_k_modes:
+            raise UnsupportedInputError(
+                f"router {self.name!r} decides between two modes only, and elastic.modes gives {heads.num_modes}; "
+                "use a router that takes K modes (mlp, static, fixed) or give two modes"
+            )
         self.config = config
         self.heads = heads
         self.progress = 0.0  # training progress in [0, 1], drives temperature schedules
-        self._noise: torch.Tensor | None = None  # preset Gumbel noise (B, L_routed, Hkv, 2), see set_noise
+        self._noise: torch.Tensor | None = None  # preset Gumbel noise (B, L_routed, Hkv, K), see set_noise
 
     @abstractmethod
     def decide(self, layer: int, keys: torch.Tensor, seq: SeqInfo) -> RouterDecision:
@@ -121,18 +182,18 @@ class Router(nn.Module, ABC):
         self.progress = float(min(max(progress, 0.0), 1.0))
 
     def set_noise(self, noise: torch.Tensor | None) -> None:
-        """Preset the Gumbel noise of the next forwards: (B, L_routed, Hkv, 2), one row per sample
+        """Preset the Gumbel noise of the next forwards: (B, L_routed, Hkv, K), one row per sample
         (:func:`elasticfw.routing.gumbel.sample_noise`), or ``None`` to draw fresh noise. The
         trainer sets it so a sample's routing noise does not depend on batching or resumption."""
-        if noise is not None and tuple(noise.shape[1:]) != (self.heads.num_routed, self.heads.num_kv_heads, 2):
+        want = (self.heads.num_routed, self.heads.num_kv_heads, self.heads.num_modes)
+        if noise is not None and tuple(noise.shape[1:]) != want:
             raise ElasticError(
-                f"router noise must be (batch, {self.heads.num_routed}, {self.heads.num_kv_heads}, 2), "
-                f"got {tuple(noise.shape)}"
+                f"router noise must be (batch, {', '.join(map(str, want))}), got {tuple(noise.shape)}"
             )
         self._noise = noise
 
     def preset_noise(self, layer: int, logits: torch.Tensor) -> torch.Tensor | None:
-        """The preset noise of routed layer ``layer`` for ``logits`` (B, Hkv, 2), or ``None``."""
+        """The preset noise of routed layer ``layer`` for ``logits`` (B, Hkv, K), or ``None``."""
         if self._noise is None:
             return None
         noise = self._noise[:, layer]

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from elasticfw.routing.base import RouterDecision
+
 EPS = 1e-10
 
 
@@ -37,6 +39,37 @@ def gumbel_softmax_sparse_prob(
         z = z + gumbel.to(device=z.device, dtype=z.dtype)
         z = z / tau
     return torch.softmax(z, dim=-1)[..., 1]
+
+
+def gumbel_softmax_probs(
+    logits: torch.Tensor, tau: float, *, noise: bool, gumbel: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(..., K) probabilities of K modes from K logits: the Gumbel-softmax relaxation
+    ``softmax((z + g) / tau)`` with ``noise`` (``gumbel``: noise drawn beforehand, of the logits'
+    shape), the plain softmax without it."""
+    z = logits.float()
+    if noise:
+        if gumbel is None:
+            gumbel = gumbel_noise(z.shape, device=z.device)
+        z = (z + gumbel.to(device=z.device, dtype=z.dtype)) / tau
+    return torch.softmax(z, dim=-1)
+
+
+class _StraightThroughOneHot(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, probs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        # the arg max (the first of equal maxima: a tie goes to the lower mode, as 2 modes send it to retrieval)
+        return torch.nn.functional.one_hot(probs.argmax(-1), probs.shape[-1]).to(probs.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad
+
+
+def straight_through_one_hot(probs: torch.Tensor) -> torch.Tensor:
+    """(..., K) the arg max of ``probs`` as an exact one-hot in the forward pass, the gradient of
+    ``probs`` in the backward pass (``hard + soft - soft.detach()``, computed exactly)."""
+    return _StraightThroughOneHot.apply(probs)
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -76,8 +109,10 @@ class TemperatureSchedule:
         return max(self.tau_min, self.tau_init * math.exp(-self.rate * p))
 
 
-def sample_noise(seeds: list[int], layers: int, heads: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """(B, layers, heads, 2) Gumbel noise, sample ``b``'s drawn from its own seed ``seeds[b]``.
+def sample_noise(
+    seeds: list[int], layers: int, heads: int, device: torch.device | str = "cpu", modes: int = 2
+) -> torch.Tensor:
+    """(B, layers, heads, modes) Gumbel noise, sample ``b``'s drawn from its own seed ``seeds[b]``.
 
     A sample's noise then depends on its seed alone, not on which process, micro-batch or
     position it lands in: training is reproducible across resumption, gradient accumulation and
@@ -86,7 +121,30 @@ def sample_noise(seeds: list[int], layers: int, heads: int, device: torch.device
     rows = []
     for seed in seeds:
         gen = torch.Generator().manual_seed(int(seed) % (2**63))
-        rows.append(gumbel_noise((layers, heads, 2), device="cpu", generator=gen))
+        rows.append(gumbel_noise((layers, heads, modes), device="cpu", generator=gen))
     if not rows:
-        return torch.zeros(0, layers, heads, 2, device=device)
+        return torch.zeros(0, layers, heads, modes, device=device)
     return torch.stack(rows).to(device)
+
+
+def initial_bias(init_sparse_prob: float, modes: int) -> torch.Tensor:
+    """(K,) biases of the last layer: P(mode 0) = 1 - p and p shared equally by the other K - 1
+    modes (two modes: ``[0, log(p / (1 - p))]``, as the paper)."""
+    p = init_sparse_prob
+    if modes == 2:
+        return torch.tensor([0.0, float(torch.log(torch.tensor(p / (1 - p))))])
+    other = float(torch.log(torch.tensor(p / ((1 - p) * (modes - 1)))))
+    return torch.tensor([0.0] + [other] * (modes - 1))
+
+
+def k_mode_decision(
+    logits: torch.Tensor, training: bool, tau: float, gumbel: torch.Tensor | None
+) -> RouterDecision:
+    """A K-mode decision from (B, H, K) logits: training, a Gumbel-softmax at ``tau`` with a
+    straight-through one-hot (forward: the arg max; backward: the relaxed probabilities'
+    gradient); inference, the arg max of the softmax without noise (a tie goes to the lower mode)."""
+    probs = gumbel_softmax_probs(logits, tau, noise=training, gumbel=gumbel)
+    if training:
+        return RouterDecision.of_modes(straight_through_one_hot(probs), probs, logits)
+    hard = torch.nn.functional.one_hot(probs.argmax(-1), probs.shape[-1]).to(probs.dtype)
+    return RouterDecision.of_modes(hard, probs, logits)

@@ -39,7 +39,13 @@ from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import BackendUnavailableError, UnsupportedInputError
 from elasticfw.kernels import triton_unavailable
 from elasticfw.routing.base import HeadLayout, Router, RouterConfig, RouterDecision
-from elasticfw.routing.gumbel import TemperatureSchedule, gumbel_softmax_sparse_prob, straight_through
+from elasticfw.routing.gumbel import (
+    TemperatureSchedule,
+    gumbel_softmax_sparse_prob,
+    initial_bias,
+    k_mode_decision,
+    straight_through,
+)
 
 #: :mod:`elasticfw_plugins.routers.mlp_fused` once imported (it imports Triton): a module global, not a
 #: router attribute, so that a router stays deep-copyable and picklable after a fused decision
@@ -122,12 +128,12 @@ def boundary_pool(keys: torch.Tensor, seq: SeqInfo, pool_tokens: int) -> torch.T
 
 
 class _LayerRouter(nn.Module):
-    def __init__(self, dim: int, mult: int) -> None:
+    def __init__(self, dim: int, mult: int, modes: int = 2) -> None:
         super().__init__()
         hidden = mult * dim
         self.task_mlp = nn.Sequential(nn.Linear(dim, hidden), nn.SiLU(), nn.Linear(hidden, dim))
         self.router_mlp = nn.Sequential(
-            nn.Linear(dim, hidden), nn.SiLU(), nn.Linear(hidden, dim), nn.SiLU(), nn.Linear(dim, 2)
+            nn.Linear(dim, hidden), nn.SiLU(), nn.Linear(hidden, dim), nn.SiLU(), nn.Linear(dim, modes)
         )
 
     def kernel_params(self) -> tuple[torch.Tensor, ...]:
@@ -193,21 +199,23 @@ class InputStatistics(nn.Module):
 
 
 class MLPRouter(Router):
-    """Input-dependent router: boundary pooling + task MLP + router MLP + Gumbel/STE."""
+    """Input-dependent router: boundary pooling + task MLP + router MLP + Gumbel/STE (K logits
+    and a straight-through one-hot when routing among K >= 3 modes)."""
 
     name = "mlp"
     config_class = MLPRouterConfig
     config: MLPRouterConfig
+    routes_k_modes = True
 
     def __init__(self, config: MLPRouterConfig, heads: HeadLayout) -> None:
         super().__init__(config, heads)
-        self.layers = nn.ModuleList(_LayerRouter(heads.head_dim, config.hidden_mult) for _ in heads.routed_layers)
-        p = config.init_sparse_prob
+        k = heads.num_modes
+        self.layers = nn.ModuleList(_LayerRouter(heads.head_dim, config.hidden_mult, k) for _ in heads.routed_layers)
         with torch.no_grad():
             for layer in self.layers:
                 last = layer.router_mlp[-1]
                 nn.init.normal_(last.weight, std=0.02)
-                last.bias.copy_(torch.tensor([0.0, float(torch.log(torch.tensor(p / (1 - p))))]))
+                last.bias.copy_(initial_bias(config.init_sparse_prob, k))
         self.schedule = TemperatureSchedule(config.tau_init, config.tau_min, config.tau_rate, config.tau_units)
         #: per-(layer, head) statistics of the pooled keys (``input_norm: standardize``), else None
         self.input_stats = (
@@ -230,7 +238,9 @@ class MLPRouter(Router):
             if fused is not None:
                 return fused
         pooled = self._features(layer, boundary_pool(keys, seq, self.config.pool_tokens))
-        logits = module(pooled.to(module.task_mlp[0].weight.dtype))  # (B, H, 2)
+        logits = module(pooled.to(module.task_mlp[0].weight.dtype))  # (B, H, K)
+        if self.heads.num_modes > 2:
+            return k_mode_decision(logits, self.training, self.temperature(), self.preset_noise(layer, logits))
         if self.training:
             prob = gumbel_softmax_sparse_prob(
                 logits, self.temperature(), noise=True, gumbel=self.preset_noise(layer, logits)
@@ -270,6 +280,18 @@ class MLPRouter(Router):
         )
 
     def _fused_decide(
+        self, layer: int, module: _LayerRouter, keys: torch.Tensor, seq: SeqInfo
+    ) -> RouterDecision | None:
+        if self.heads.num_modes > 2:  # the kernel computes two logits
+            if self.config.kernel == "triton":
+                raise BackendUnavailableError(
+                    f"elastic.router.kernel = 'triton': the fused router kernel decides between two modes and "
+                    f"elastic.modes has {self.heads.num_modes}; use kernel: auto or eager"
+                )
+            return None
+        return self._fused_two_modes(layer, module, keys, seq)
+
+    def _fused_two_modes(
         self, layer: int, module: _LayerRouter, keys: torch.Tensor, seq: SeqInfo
     ) -> RouterDecision | None:
         """The inference decision from the fused kernel, or ``None`` where ``kernel: auto`` keeps the

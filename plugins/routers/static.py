@@ -16,7 +16,13 @@ from torch import nn
 
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.routing.base import HeadLayout, Router, RouterConfig, RouterDecision
-from elasticfw.routing.gumbel import TemperatureSchedule, gumbel_softmax_sparse_prob, straight_through
+from elasticfw.routing.gumbel import (
+    TemperatureSchedule,
+    gumbel_softmax_sparse_prob,
+    initial_bias,
+    k_mode_decision,
+    straight_through,
+)
 
 
 class StaticConfig(RouterConfig):
@@ -29,23 +35,30 @@ class StaticConfig(RouterConfig):
 
 
 class StaticRouter(Router):
-    """One input-independent learnable gate per (layer, KV head)."""
+    """One input-independent learnable gate per (layer, KV head): K logits among K modes."""
 
     name = "static"
     config_class = StaticConfig
     config: StaticConfig
+    routes_k_modes = True  # K gates per head (logits (L, Hkv, K))
 
     def __init__(self, config: StaticConfig, heads: HeadLayout) -> None:
         super().__init__(config, heads)
         p = config.init_sparse_prob
-        logit = torch.log(torch.tensor(p / (1 - p)))
-        init = torch.zeros(heads.num_routed, heads.num_kv_heads, 2)
-        init[..., 1] = logit
+        if heads.num_modes == 2:
+            logit = torch.log(torch.tensor(p / (1 - p)))
+            init = torch.zeros(heads.num_routed, heads.num_kv_heads, 2)
+            init[..., 1] = logit
+        else:  # P(mode 0) = 1 - p, the other modes share p
+            init = initial_bias(p, heads.num_modes).expand(heads.num_routed, heads.num_kv_heads, -1).clone()
         self.logits = nn.Parameter(init)
         self.schedule = TemperatureSchedule(config.tau_init, config.tau_min, config.tau_rate, config.tau_units)
 
     def decide(self, layer: int, keys: torch.Tensor, seq: SeqInfo) -> RouterDecision:
         logits = self.logits[layer][None].expand(keys.shape[0], -1, -1)
+        if self.heads.num_modes > 2:
+            tau = self.schedule(self.progress)
+            return k_mode_decision(logits, self.training, tau, self.preset_noise(layer, logits))
         if self.training:
             prob = gumbel_softmax_sparse_prob(
                 logits, self.schedule(self.progress), noise=True, gumbel=self.preset_noise(layer, logits)
