@@ -317,3 +317,52 @@ def attend_routed(
             torch.where(heads[:, :, None], merged.lse, result.lse),
         )
     return result
+
+
+def attend_modes(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq: SeqInfo,
+    executor: Executor,
+    *,
+    modes: list[AttentionMode],
+    index: torch.Tensor,
+    layouts: list[BlockLayout],
+    scale: float,
+    index_host: torch.Tensor | None = None,
+) -> AttentionOutput:
+    """Every query head in its mode among K: ``index`` (B, Hq) int64 is each head's position in
+    ``modes`` (whose layouts are ``layouts``). One executor call over the per-head combination of the
+    layouts of the modes some head is in (:func:`routed_layout` folded over them, at the smallest
+    block size); a mode's side branch is merged into its own heads by log-sum-exp. ``index_host``:
+    ``index`` on the CPU, when the caller has it (otherwise it is read once from the device)."""
+    if index.shape != q.shape[:2]:
+        raise UnsupportedInputError(
+            f"attend_modes: index must be (batch, query heads) = {tuple(q.shape[:2])}, got {tuple(index.shape)}"
+        )
+    if len(layouts) != len(modes):
+        raise UnsupportedInputError(f"attend_modes: {len(modes)} modes but {len(layouts)} layouts")
+    on_host = index_host if index_host is not None else index.cpu()
+    present = sorted(int(i) for i in on_host.unique())
+    if not present or present[0] < 0 or present[-1] >= len(modes):
+        raise UnsupportedInputError(f"attend_modes: mode indices {present} outside [0, {len(modes)})")
+    extras = []
+    for i in present:
+        extra = modes[i].side_branch(q, k, v, seq, scale=scale)
+        if extra is not None:
+            extras.append((extra, index == i))
+    layout = layouts[present[0]]
+    if not all(layouts[i].dense_causal for i in present):  # (all dense: the same pairs, one dense call)
+        for i in present[1:]:
+            layout = routed_layout(index == i, (layout, layouts[i]), seq)
+    result = executor.attend(q, k, v, layout, seq, scale=scale, need_lse=bool(extras))
+    for extra, heads in extras:
+        merged = merge_lse(result, extra)
+        assert merged.lse is not None and result.lse is not None  # merge_lse raised unless both were set
+        result = AttentionOutput(
+            torch.where(heads[:, :, None, None], merged.out, result.out),
+            torch.where(heads[:, :, None], merged.lse, result.lse),
+        )
+    return result
+

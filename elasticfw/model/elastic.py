@@ -157,16 +157,20 @@ class ElasticModel(nn.Module):
             )
         self.elastic_config = elastic
         self.base_model_name = base_model_name or getattr(model.config, "_name_or_path", None) or ""
-        self.heads = HeadLayout(routed, hkv, hq, head_dim)
+        # K >= 2 modes, in routing order (a section built elsewhere than the recipe schema: its two fields)
+        configs = elastic.mode_configs() if hasattr(elastic, "mode_configs") else [elastic.retrieval_mode, elastic.sparse_mode]
+        self.heads = HeadLayout(routed, hkv, hq, head_dim, num_modes=len(configs))
         self.base = model
         #: the name of the backbone's KV-cache argument in the installed transformers
         self.cache_argument = cache_argument(model)
         self.router: Router = registry.make("router", elastic.router, heads=self.heads)
         device = next(model.parameters()).device
         self.router.to(device)
+        modes = [registry.make("sparse_mode", config) for config in configs]
         self.runtime = ElasticRuntime(
-            retrieval_mode=registry.make("sparse_mode", elastic.retrieval_mode),
-            sparse_mode=registry.make("sparse_mode", elastic.sparse_mode),
+            retrieval_mode=modes[0],
+            sparse_mode=modes[-1],
+            modes=modes if len(modes) > 2 else None,
             executor=registry.make("executor", elastic.executor),
             router=self.router,
             routed={layer: i for i, layer in enumerate(routed)},

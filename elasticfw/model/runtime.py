@@ -23,7 +23,7 @@ from elasticfw.attention.layout import (
     computed_pairs,
     with_window,
 )
-from elasticfw.attention.mode import AttentionMode, attend_routed
+from elasticfw.attention.mode import AttentionMode, attend_modes, attend_routed
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import ElasticError
 from elasticfw.model.bridge import KeyPaddingInfo
@@ -68,6 +68,7 @@ class LayerRecord:
     prob_sparse: torch.Tensor | None
     computed: torch.Tensor  # (B, Hq) (query, key) pairs computed
     causal: torch.Tensor  # (B,)
+    mode_index: torch.Tensor | None = None  # (B, Hkv) each head's mode among K >= 3 (``sparse``: not mode 0)
 
 
 @dataclass
@@ -107,6 +108,9 @@ class ElasticRuntime:
     routing_memo: dict[int, tuple[RouterDecision, torch.Tensor, torch.Tensor, bool, bool]] = field(
         default_factory=dict
     )
+    #: K >= 3 modes in routing order (``elastic.modes``), run by :meth:`_execute_modes`; ``None``: the
+    #: two modes ``retrieval_mode`` and ``sparse_mode`` (then the first and the last of these)
+    modes: list[AttentionMode] | None = None
 
     # -- entry point (called by the bridge) ---------------------------------------------------
     def attend(
@@ -240,6 +244,8 @@ class ElasticRuntime:
                 )
             return out
 
+        if self.modes is not None:
+            return self._execute_modes(layer_idx, can, decision, scale, window, record)
         if self.mixing:
             sparse_q = decision.sparse.repeat_interleave(hq // hkv, dim=1)  # (B, Hq)
             hard = sparse_q.detach() > 0.5
@@ -266,6 +272,49 @@ class ElasticRuntime:
                 decision.prob_sparse.detach(),
                 self._pairs(pairs, hard, seq, hq),
                 seq.causal_pairs(),
+            )
+        return out
+
+    def _execute_modes(
+        self, layer_idx: int, can: Canonical, decision: RouterDecision, scale: float, window: int | None,
+        record: bool,
+    ) -> torch.Tensor:
+        """A routed layer among K >= 3 modes. Training (:attr:`mixing`): every head computes every mode
+        and the outputs are mixed with the decision's one-hot, ``O = sum_k m_k O_k`` (m_k carries the
+        straight-through gradient to mode k's logit). Inference: each head once, in its mode
+        (:func:`~elasticfw.attention.mode.attend_modes`)."""
+        assert self.modes is not None
+        q, k, v, seq = can.q, can.k, can.v, can.seq
+        hq, group = q.shape[1], q.shape[1] // k.shape[1]
+        if decision.num_modes != len(self.modes):
+            raise ElasticError(
+                f"layer {layer_idx}: the router decided among {decision.num_modes} modes, the runtime has "
+                f"{len(self.modes)} (elastic.modes)"
+            )
+        layouts = self._layouts(self.modes, can, window, scale)
+        index = decision.index().repeat_interleave(group, dim=1)  # (B, Hq)
+        if self.mixing:
+            weights = decision.one_hot().repeat_interleave(group, dim=1)  # (B, Hq, K)
+            out = None
+            for i, (mode, layout) in enumerate(zip(self.modes, layouts)):
+                term = mode.attend(q, k, v, seq, self.executor, scale=scale, layout=layout).out
+                term = weights[..., i].to(term.dtype)[:, :, None, None] * term
+                out = term if out is None else out + term
+            assert out is not None
+        else:
+            host = decision.index_host
+            out = attend_modes(
+                q, k, v, seq, self.executor, modes=self.modes, index=index, layouts=layouts, scale=scale,
+                index_host=None if host is None else host.repeat_interleave(group, dim=1),
+            ).out
+        if record:
+            pairs = torch.stack([computed_pairs(layout, seq, hq) for layout in layouts], dim=-1)  # (B, Hq, K)
+            self.records[layer_idx] = LayerRecord(
+                decision.sparse.detach() > 0.5,
+                decision.prob_sparse.detach(),
+                pairs.gather(-1, index.to(pairs.device)[..., None])[..., 0],
+                seq.causal_pairs(),
+                decision.index(),
             )
         return out
 

@@ -1,0 +1,197 @@
+"""Routing among K = 3 modes end to end: each head in its mode at inference, the one-hot mix in
+training, gradients to every mode's logit, and a K = 3 adapter saved and loaded.
+
+Independent definitions: each mode's token-exact mask (tests/mode_definitions: full, MoBA per
+token, streaming token window) applied by plain SDPA to the layer's own q, k, v, one mode at a
+time, never through the runtime; the head's output must be its own mode's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mode_definitions.common import causal
+from mode_definitions.moba import token_reference as moba_mask
+from mode_definitions.streaming import token_reference as streaming_mask
+
+from elasticfw.errors import RecipeError
+from elasticfw.model.checkpoint import load_adapter
+from elasticfw.model.elastic import ElasticModel
+from elasticfw.recipe import load_recipe_dict, validate_recipe_data
+from elasticfw.routing.base import RouterDecision
+from elasticfw.testing.models import tiny_model
+
+MODES = [
+    {"name": "full", "block_size": 16},
+    {"name": "moba", "moba_block_size": 16, "top_k": 2, "block_size": 16, "query_granularity": "token"},
+    {"name": "streaming", "sink_tokens": 4, "local_tokens": 12, "block_size": 16, "granularity": "token"},
+]
+MASKS = [lambda q, k, seq, config: causal(seq, q.shape[1]), moba_mask, streaming_mask]
+
+
+def section(router: dict, modes=MODES, **extra):
+    return validate_recipe_data({"elastic": {"modes": modes, "router": router, **extra}}).elastic
+
+
+def padded(lengths: list[int], side: str, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        sl = slice(width - n, width) if side == "left" else slice(0, n)
+        ids[i, sl], mask[i, sl] = torch.randint(3, 250, (n,), generator=g), 1
+    return ids, mask
+
+
+def capture(elastic: ElasticModel, model) -> dict:
+    """Each layer's canonical q, k, v, seq and scale (observer) and its attention output (o_proj input)."""
+    seen: dict = {"can": {}, "out": {}}
+    elastic.runtime.observers.append(lambda layer, can, scale: seen["can"].__setitem__(layer, (can, scale)))
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.o_proj.register_forward_hook(
+            lambda m, a, o, i=i: seen["out"].__setitem__(i, a[0].detach())
+        )
+    return seen
+
+
+def mode_outputs(can, scale, configs) -> list[torch.Tensor]:
+    """(B, Hq, S, D) each mode's attention for every head: its mask by SDPA, one mode at a time."""
+    group = can.q.shape[1] // can.k.shape[1]
+    k, v = can.k.repeat_interleave(group, 1), can.v.repeat_interleave(group, 1)
+    outs = []
+    for mask_of, config in zip(MASKS, configs):
+        mask = mask_of(can.q, can.k, can.seq, config) & can.seq.key_valid()[:, None, None, :]
+        mask = mask | ~mask.any(-1, keepdim=True)  # padding rows (not compared): avoid NaN
+        outs.append(torch.nn.functional.scaled_dot_product_attention(can.q, k, v, attn_mask=mask, scale=scale))
+    return outs
+
+
+def per_sample_routing(elastic: ElasticModel, table: torch.Tensor) -> None:
+    """Route by ``table`` (B, routed layers, Hkv) of mode indices: a router whose decisions differ per sample."""
+
+    def decide(layer, keys, seq):
+        one_hot = torch.nn.functional.one_hot(table[:, layer], 3).float()
+        return RouterDecision.of_modes(one_hot, one_hot)
+
+    elastic.router.decide = decide  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("side,executor", [("left", "reference"), ("right", "reference"), ("left", "sdpa")])
+def test_each_head_at_inference_is_its_own_mode_alone(side, executor):
+    model = tiny_model("llama", num_hidden_layers=2)
+    elastic = ElasticModel(model, section({"name": "fixed"}, executor={"name": executor}))
+    # per sample and layer every mode present, the assignment different between the samples
+    table = torch.tensor([[[1, 2], [2, 0]], [[2, 0], [1, 2]], [[0, 1], [0, 0]]])
+    per_sample_routing(elastic, table)
+    seen = capture(elastic, model)
+    lengths = [70, 45, 58]
+    ids, mask = padded(lengths, side)
+    with torch.no_grad():
+        elastic(input_ids=ids, attention_mask=mask)
+    configs = elastic.elastic_config.mode_configs()
+    group = 3
+    for layer in range(2):
+        can, scale = seen["can"][layer]
+        outs = torch.stack(mode_outputs(can, scale, configs))  # (K, B, Hq, S, D)
+        got = seen["out"][layer].view(3, ids.shape[1], 6, 16).transpose(1, 2)  # (B, Hq, S, D), model rows
+        for b, n in enumerate(lengths):
+            rows = slice(ids.shape[1] - n, None) if side == "left" else slice(0, n)
+            for h in range(6):
+                m = int(table[b, layer, h // group])
+                assert torch.allclose(got[b, h, rows], outs[m, b, h, :n], atol=1e-5), (layer, b, h, m)
+        assert elastic.runtime.records[layer].mode_index.tolist() == table[:, layer].tolist()
+    # the modes differ on these inputs (the comparison is not vacuous)
+    can, scale = seen["can"][0]
+    outs = mode_outputs(can, scale, configs)
+    for i in range(3):
+        for j in range(i):
+            assert (outs[i][0, :, :70] - outs[j][0, :, :70]).abs().max() > 1e-3
+    # MSR of K modes: the share of heads not in mode 0
+    assert elastic.routing.msr.tolist() == pytest.approx([0.75, 0.75, 0.25])
+
+
+def test_the_mlp_router_routes_per_sample_at_inference_like_the_reference():
+    torch.manual_seed(0)
+    model = tiny_model("qwen3", num_hidden_layers=2)
+    elastic = ElasticModel(model, section({"name": "mlp", "pool_tokens": 8}))
+    with torch.no_grad():
+        for p in elastic.trainable_parameters():
+            p.add_(torch.randn_like(p) * 2.0)
+    seen = capture(elastic, model)
+    lengths = [64, 40]
+    ids, mask = padded(lengths, "left", seed=4)
+    with torch.no_grad():
+        elastic(input_ids=ids, attention_mask=mask)
+    configs = elastic.elastic_config.mode_configs()
+    used = set()
+    for layer in range(2):
+        index = elastic.runtime.records[layer].mode_index  # (B, Hkv), the router's own decision
+        used |= set(index.flatten().tolist())
+        can, scale = seen["can"][layer]
+        outs = torch.stack(mode_outputs(can, scale, configs))
+        hq, d = can.q.shape[1], can.q.shape[-1]
+        got = seen["out"][layer].view(2, ids.shape[1], hq, d).transpose(1, 2)
+        for b, n in enumerate(lengths):
+            for h in range(hq):
+                m = int(index[b, h // (hq // index.shape[1])])
+                assert torch.allclose(got[b, h, ids.shape[1] - n:], outs[m, b, h, :n], atol=1e-5)
+    assert len(used) >= 2
+
+
+def test_training_mixes_every_mode_with_the_one_hot_and_every_logit_gets_a_gradient():
+    torch.manual_seed(0)
+    model = tiny_model("llama", num_hidden_layers=2)
+    elastic = ElasticModel(model, section({"name": "mlp", "pool_tokens": 8})).train()
+    seen = capture(elastic, model)
+    ids, mask = padded([64, 48], "right", seed=2)
+    out = elastic(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    out.loss.backward()
+    configs = elastic.elastic_config.mode_configs()
+    for layer in range(2):
+        one_hot = elastic.runtime.decisions[layer].modes.detach()  # (B, Hkv, 3)
+        can, scale = seen["can"][layer]
+        with torch.no_grad():
+            outs = torch.stack(mode_outputs(can, scale, configs))  # (K, B, Hq, S, D)
+        w = one_hot.repeat_interleave(3, dim=1).permute(2, 0, 1)[..., None, None]
+        expected = (w * outs).sum(0)
+        got = seen["out"][layer].view(2, 64, 6, 16).transpose(1, 2)
+        for b, n in enumerate([64, 48]):
+            assert torch.allclose(got[b, :, :n], expected[b, :, :n], atol=1e-5)
+        last = elastic.router.layers[layer].router_mlp[-1]
+        assert (last.bias.grad.abs() > 0).all(), last.bias.grad  # each mode's logit
+        assert (last.weight.grad.abs().sum(1) > 0).all()
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("router", [{"name": "mlp", "pool_tokens": 8}, {"name": "static"},
+                                    {"name": "fixed", "assign": "mode_heads", "head_modes": [[0, 1, 2], [2, 0, 1]]}])
+def test_save_load_round_trip_of_a_three_mode_adapter(tmp_path, router):
+    torch.manual_seed(0)
+    model = tiny_model("mistral")
+    elastic = ElasticModel(model, section(router), base_model_name="tiny-mistral")
+    with torch.no_grad():
+        for p in elastic.trainable_parameters():
+            p.add_(torch.randn_like(p) * 2.0)
+    ids, mask = padded([60, 40], "left")
+    with torch.no_grad():
+        expected = elastic(input_ids=ids, attention_mask=mask).logits
+    index = torch.stack([elastic.runtime.records[i].mode_index for i in sorted(elastic.runtime.records)])
+    elastic.save_adapter(tmp_path / "adapter")
+    loaded = load_adapter(elastic.unwrap(), tmp_path / "adapter")
+    assert loaded.elastic_config.modes_label() == "full-moba-streaming" and loaded.heads.num_modes == 3
+    with torch.no_grad():
+        got = loaded(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(got, expected)
+    assert torch.equal(index, torch.stack([loaded.runtime.records[i].mode_index for i in sorted(loaded.runtime.records)]))
+
+
+def test_a_training_recipe_with_three_modes_is_refused():
+    data = load_recipe_dict("recipes/train/smollm2-fa-ssa.yaml")
+    data["elastic"] = {k: v for k, v in data["elastic"].items() if k not in ("retrieval_mode", "sparse_mode")}
+    data["elastic"]["modes"] = [{"name": "full"}, {"name": "moba", "moba_block_size": 256},
+                                {"name": "streaming", "sink_tokens": 64, "local_tokens": 256}]
+    with pytest.raises(RecipeError, match="train: elastic.modes has 3 modes; training routes between two modes only"):
+        validate_recipe_data(data)
+    data["elastic"]["modes"] = data["elastic"]["modes"][::2]
+    assert validate_recipe_data(data).elastic.num_modes == 2
