@@ -8,13 +8,17 @@ time, never through the runtime; the head's output must be its own mode's.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 from mode_definitions.common import causal
 from mode_definitions.moba import token_reference as moba_mask
 from mode_definitions.streaming import token_reference as streaming_mask
 
-from elasticfw.errors import RecipeError
+from elasticfw.errors import RecipeError, UnsupportedInputError
 from elasticfw.model.checkpoint import load_adapter
 from elasticfw.model.elastic import ElasticModel
 from elasticfw.recipe import load_recipe_dict, validate_recipe_data
@@ -195,3 +199,20 @@ def test_a_training_recipe_with_three_modes_is_refused():
         validate_recipe_data(data)
     data["elastic"]["modes"] = data["elastic"]["modes"][::2]
     assert validate_recipe_data(data).elastic.num_modes == 2
+
+
+def test_the_compact_kv_cache_is_refused_for_three_modes():
+    elastic = ElasticModel(tiny_model("llama", num_hidden_layers=1), section({"name": "fixed"}))
+    with pytest.raises(UnsupportedInputError, match="compact KV cache keeps two modes' keys and this model routes among 3"):
+        elastic.make_kv_cache()
+
+
+def test_the_how_to_recipes_validate():
+    """The YAML of docs/how-to/route-among-modes.md: the mode list, and a mode with its own cost."""
+    text = (Path(__file__).parent.parent / "docs" / "how-to" / "route-among-modes.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
+    listed = validate_recipe_data(yaml.safe_load(blocks[0])).elastic
+    assert listed.modes_label() == "full-moba-streaming" and listed.router.name == "mlp"
+    mode = yaml.safe_load("modes:\n" + blocks[1])["modes"][0]
+    costed = validate_recipe_data({"elastic": {"modes": [{"name": "full"}, mode]}}).elastic
+    assert costed.sparse_mode.name == "xattention" and costed.sparse_mode.cost == 0.35  # two modes: the pair

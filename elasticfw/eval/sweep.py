@@ -227,8 +227,8 @@ def _run_variant(
         return failures
     assert elastic is not None
     section = elastic.elastic_config
-    _say(dist, f"variant {variant.label!r}: router {section.router.name}, {section.retrieval_mode.name}-"
-         f"{section.sparse_mode.name}, executor {section.executor.name}"
+    _say(dist, f"variant {variant.label!r}: router {section.router.name}, {section.modes_label()}, "
+         f"executor {section.executor.name}"
          + (f" (adapter {variant.adapter})" if variant.adapter else ""))
     warmed: set[int | None] = set()
     try:

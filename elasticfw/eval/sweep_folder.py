@@ -140,9 +140,13 @@ def _variant_rows(plan: Plan) -> list[dict[str, Any]]:
     rows = []
     for v in plan.variants:
         elastic = v.spec["elastic"]
-        rows.append({"label": v.label, "adapter": v.adapter, "router": elastic["router"]["name"],
-                     "retrieval_mode": elastic["retrieval_mode"]["name"], "sparse_mode": elastic["sparse_mode"]["name"],
-                     "executor": elastic["executor"]["name"]})
+        modes = elastic.get("modes") or [elastic["retrieval_mode"], elastic["sparse_mode"]]  # K >= 3: the list
+        row = {"label": v.label, "adapter": v.adapter, "router": elastic["router"]["name"],
+               "retrieval_mode": modes[0]["name"], "sparse_mode": modes[-1]["name"],
+               "executor": elastic["executor"]["name"]}
+        if len(modes) > 2:
+            row["modes"] = "-".join(m["name"] for m in modes)
+        rows.append(row)
     return rows
 
 

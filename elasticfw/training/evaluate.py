@@ -99,7 +99,7 @@ def summary_dict(recipe: Any, mixture: list[MixtureTask], evals: dict[str, Any],
     device = next(model.parameters()).device
     return {
         "model": recipe.model.name,
-        "modes": f"{recipe.elastic.retrieval_mode.name}-{recipe.elastic.sparse_mode.name}",
+        "modes": recipe.elastic.modes_label(),
         "routers": routers,
         "full": {k: {"accuracy": v["accuracy"], "samples": v["samples"]} for k, v in full.items()},
         "train": {"steps": recipe.train.steps, "batch_size": recipe.train.batch_size},

@@ -163,8 +163,8 @@ def run_training(
             elastic = make_elastic(model, tokenizer, elastic_section, registry=registry,
                                    base_model_name=recipe.model.name, seed=recipe.seed)
             try:
-                _say(f"training router {label!r} ({elastic_section.retrieval_mode.name}-"
-                     f"{elastic_section.sparse_mode.name}), {recipe.train.steps} steps x {recipe.train.batch_size} samples")
+                _say(f"training router {label!r} ({elastic_section.modes_label()}), "
+                     f"{recipe.train.steps} steps x {recipe.train.batch_size} samples")
                 results[label] = train_router(elastic, mixture, settings, run_dir, seed=recipe.seed, pad_id=pad_id,
                                               resume=again, dist=dist, progress=progress)
             finally:
