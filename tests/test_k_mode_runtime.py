@@ -216,3 +216,20 @@ def test_the_how_to_recipes_validate():
     mode = yaml.safe_load("modes:\n" + blocks[1])["modes"][0]
     costed = validate_recipe_data({"elastic": {"modes": [{"name": "full"}, mode]}}).elastic
     assert costed.sparse_mode.name == "xattention" and costed.sparse_mode.cost == 0.35  # two modes: the pair
+
+
+def test_generate_with_cache_equals_without_among_three_modes():
+    """Decode steps reuse each sample's prefill routing among the three modes (uncached: every step is a
+    prefill of the whole sequence under the decision generate holds). MoBA with ``decode: sparse``: a
+    decode step then selects as that token's prefill row does (``decode: full`` reads every key)."""
+    model = tiny_model("llama", num_hidden_layers=2)
+    router = {"name": "fixed", "assign": "mode_heads", "head_modes": [[0, 0, 1], [0, 1, 2], [1, 1, 2]]}
+    modes = [MODES[0], {**MODES[1], "decode": "sparse"}, MODES[2]]
+    elastic = ElasticModel(model, section(router, modes=modes))
+    ids, mask = padded([70, 45], "left", seed=3)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        cached = elastic.generate(use_cache=True, **kwargs)
+        uncached = elastic.generate(use_cache=False, **kwargs)
+    assert torch.equal(cached, uncached)
+    assert elastic.runtime.records[0].mode_index.tolist() == [[1, 2], [1, 2]]
