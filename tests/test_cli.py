@@ -147,7 +147,8 @@ def test_show_prints_the_resolved_recipe_with_defaults(
     assert shown["eval"]["task"] == {**shown["eval"]["task"], "name": "passkey", "num_samples": 2}
     assert shown["eval"]["task"]["context_tokens"] == 1500  # defaults filled in
     assert shown["eval"]["batch_size"] == 1
-    assert shown["elastic"]["router"] == {"name": "fixed", "assign": "all_sparse", "heads": []}
+    assert shown["elastic"]["router"] == {"name": "fixed", "assign": "all_sparse", "heads": [], "head_modes": [],
+                                          "default_mode": 0}
     assert shown["elastic"]["executor"]["name"] == "reference"
     assert shown["model"]["name"] == "smollm2-135m"
     # what `show` prints is itself a recipe that resolves to the same thing
