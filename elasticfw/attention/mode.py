@@ -112,7 +112,7 @@ class ModeConfig(PluginConfig):
     """Base of every mode's recipe section."""
 
     cost: float | None = Field(
-        None,
+        default=None,
         ge=0,
         le=100,
         description="Relative cost of this mode: the fraction of dense causal attention work it does (full "

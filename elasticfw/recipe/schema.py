@@ -233,8 +233,11 @@ def _check_modes(section: Any, from_modes: bool) -> None:
                     f"{paths[i]} and {paths[j]} are the same mode ({b.name}, same parameters): each mode may appear "
                     "once; drop one, or give the two different parameters"
                 )
-    sized = [(p, getattr(c, "block_size", None)) for p, c in zip(paths, configs)]
-    sized = [(p, s) for p, s in sized if s]
+    sized: list[tuple[str, int]] = []
+    for p, c in zip(paths, configs):
+        size = getattr(c, "block_size", None)
+        if size:
+            sized.append((p, int(size)))
     for j, (pb, b) in enumerate(sized):
         for pa, a in sized[:j]:
             if max(a, b) % min(a, b):
