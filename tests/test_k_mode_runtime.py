@@ -23,7 +23,7 @@ from elasticfw.model.checkpoint import load_adapter
 from elasticfw.model.elastic import ElasticModel
 from elasticfw.recipe import load_recipe_dict, validate_recipe_data
 from elasticfw.routing.base import RouterDecision
-from elasticfw.testing.models import tiny_model
+from elasticfw.testing.models import padded_batch, tiny_model
 
 MODES = [
     {"name": "full", "block_size": 16},
@@ -35,17 +35,6 @@ MASKS = [lambda q, k, seq, config: causal(seq, q.shape[1]), moba_mask, streaming
 
 def section(router: dict, modes=MODES, **extra):
     return validate_recipe_data({"elastic": {"modes": modes, "router": router, **extra}}).elastic
-
-
-def padded(lengths: list[int], side: str, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        sl = slice(width - n, width) if side == "left" else slice(0, n)
-        ids[i, sl], mask[i, sl] = torch.randint(3, 250, (n,), generator=g), 1
-    return ids, mask
 
 
 def capture(elastic: ElasticModel, model) -> dict:
@@ -90,7 +79,7 @@ def test_each_head_at_inference_is_its_own_mode_alone(side, executor):
     per_sample_routing(elastic, table)
     seen = capture(elastic, model)
     lengths = [70, 45, 58]
-    ids, mask = padded(lengths, side)
+    ids, mask = padded_batch(lengths, side=side, seed=1)
     with torch.no_grad():
         elastic(input_ids=ids, attention_mask=mask)
     configs = elastic.elastic_config.mode_configs()
@@ -124,7 +113,7 @@ def test_the_mlp_router_routes_per_sample_at_inference_like_the_reference():
             p.add_(torch.randn_like(p) * 2.0)
     seen = capture(elastic, model)
     lengths = [64, 40]
-    ids, mask = padded(lengths, "left", seed=4)
+    ids, mask = padded_batch(lengths, side="left", seed=4)
     with torch.no_grad():
         elastic(input_ids=ids, attention_mask=mask)
     configs = elastic.elastic_config.mode_configs()
@@ -148,7 +137,7 @@ def test_training_mixes_every_mode_with_the_one_hot_and_every_logit_gets_a_gradi
     model = tiny_model("llama", num_hidden_layers=2)
     elastic = ElasticModel(model, section({"name": "mlp", "pool_tokens": 8})).train()
     seen = capture(elastic, model)
-    ids, mask = padded([64, 48], "right", seed=2)
+    ids, mask = padded_batch([64, 48], side="right", seed=2)
     out = elastic(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
     out.loss.backward()
     configs = elastic.elastic_config.mode_configs()
@@ -177,7 +166,7 @@ def test_save_load_round_trip_of_a_three_mode_adapter(tmp_path, router):
     with torch.no_grad():
         for p in elastic.trainable_parameters():
             p.add_(torch.randn_like(p) * 2.0)
-    ids, mask = padded([60, 40], "left")
+    ids, mask = padded_batch([60, 40], side="left", seed=1)
     with torch.no_grad():
         expected = elastic(input_ids=ids, attention_mask=mask).logits
     index = torch.stack([elastic.runtime.records[i].mode_index for i in sorted(elastic.runtime.records)])
@@ -226,7 +215,7 @@ def test_generate_with_cache_equals_without_among_three_modes():
     router = {"name": "fixed", "assign": "mode_heads", "head_modes": [[0, 0, 1], [0, 1, 2], [1, 1, 2]]}
     modes = [MODES[0], {**MODES[1], "decode": "sparse"}, MODES[2]]
     elastic = ElasticModel(model, section(router, modes=modes))
-    ids, mask = padded([70, 45], "left", seed=3)
+    ids, mask = padded_batch([70, 45], side="left", seed=3)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         cached = elastic.generate(use_cache=True, **kwargs)
