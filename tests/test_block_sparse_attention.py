@@ -321,10 +321,9 @@ def test_unsupported_layouts_are_named():
         block_layout_attention(q, q, q, odd, seq, scale=1.0)
 
 
-def _mode_layout(name, overrides, kv_lens=None, sq=None, seed=0):
+def _mode_layout(name, overrides, kv_lens=None, sq=None, seed=0, sk=256):
     from elasticfw.testing.modes import make_inputs, make_mode
 
-    sk = 256
     q, k, v, seq = make_inputs((2, 4, 2, sq or sk, sk, 16), seed=seed, kv_lens=kv_lens)
     with torch.no_grad():
         layout = make_mode(name, overrides).build_layout(q, k, seq)
@@ -466,8 +465,8 @@ def test_reusable_layouts_plan_their_work_once(monkeypatch):
     from elasticfw.testing.modes import reference_executor
     from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
 
-    q, k, v, _, layout = _mode_layout("streaming", MODE_CASES["streaming_block"][1])
-    seq = SeqInfo.dense(2, 256, 256)  # a host signature: what the runtime's prefill passes
+    q, k, v, _, layout = _mode_layout("streaming", MODE_CASES["streaming_block"][1], sk=128)
+    seq = SeqInfo.dense(2, 128, 128)  # a host signature: what the runtime's prefill passes
     layout = dataclasses.replace(layout, reusable=True)
     import elasticfw.kernels.block_sparse_attention as bsa
     import elasticfw.kernels.work_lists as wl
@@ -497,7 +496,7 @@ def test_sparse_kernel_tiles_are_validated_and_reach_the_kernel(monkeypatch):
     for bad, field in (([48, 64, 8, 3], "BLOCK_M"), ([128, 8, 8, 3], "BLOCK_N"), ([128, 64, 0, 3], "num_warps")):
         with pytest.raises(pydantic.ValidationError, match=f"sparse_kernel_tiles.*{field}"):
             FlexConfig(sparse_kernel_tiles=bad)
-    q, k, v, seq, layout = _mode_layout("xattention", MODE_CASES["xattention"][1])
+    q, k, v, seq, layout = _mode_layout("xattention", MODE_CASES["xattention"][1], sk=128)
     import elasticfw.kernels.block_sparse_attention as bsa
 
     seen = []
@@ -657,7 +656,7 @@ def test_tiles_shrunk_to_fit_before_planning_match_the_reference(mode, monkeypat
     from elasticfw_plugins.executors.flex import FlexConfig, FlexExecutor
 
     name, overrides = MODE_CASES[mode]
-    q, k, v, seq, layout = _mode_layout(name, overrides, kv_lens=[256, 171])
+    q, k, v, seq, layout = _mode_layout(name, overrides, kv_lens=[128, 86], sk=128)  # 4 tiles of 32 rows
     assert q.shape[-1] == 16 and q.dtype == torch.float32
     _fake_gpu(monkeypatch, 10_000)
     planned = []

@@ -57,16 +57,22 @@ def test_layouts_tma_cannot_read_keep_the_pointer_path():
 @pytest.mark.parametrize("tma", [True, False])
 def test_kernel_through_descriptors_matches_the_definition(layout, tma, monkeypatch):
     from elasticfw.kernels import block_sparse_attention as bsa
+    from elasticfw.kernels.work_lists import work_lists
 
     monkeypatch.setattr(bsa, "USE_TMA", tma)
     g = torch.Generator().manual_seed(5)
-    seq = _seq([0, 20], [150, 97], 130, 150)  # sample 1: a chunk at position 20, keys past 97 unwritten
-    q = torch.randn(2, 4, 130, 32, generator=g).bfloat16()
-    k, v = _kv(layout, 2, 2, 150, 32, g), _kv(layout, 2, 2, 150, 32, g)
-    k[1, :, 97:] = float("nan")
-    v[1, :, 97:] = float("nan")
+    # sample 1: a chunk at position 20, keys past 65 unwritten; 100 keys, not a multiple of the 16-key
+    # chunk (the last chunk reads past the end of the cache); 3 tiles of 32 rows
+    seq = _seq([0, 20], [100, 65], 80, 100)
+    q = torch.randn(2, 4, 80, 32, generator=g).bfloat16()
+    k, v = _kv(layout, 2, 2, 100, 32, g), _kv(layout, 2, 2, 100, 32, g)
+    k[1, :, 65:] = float("nan")
+    v[1, :, 65:] = float("nan")
     assert (bsa.kv_descriptor(k, 16) is not None) == tma
-    selected = torch.rand(2, 2, 130, 5, generator=g) < 0.5
+    selected = torch.rand(2, 2, 80, 4, generator=g) < 0.5
+    selected[:, :, 32:, 0] = True  # rows past the first tile select group 0: clean chunks, the TMA loop
+    _, n_clean, _, n_masked = work_lists(RowSelection(selected, 32), seq, 32, 16)
+    assert n_clean.sum() > 0 and n_masked.sum() > 0  # both loops run (only the clean one loads through TMA)
     out, lse = bsa.row_selection_attention(q, k, v, RowSelection(selected, 32), seq, scale=32**-0.5,
                                            tiles=bsa.Tiles(block_m=32, block_n=16, num_warps=4, num_stages=2))
     ref_out, ref_lse = _brute(q, k, v, selected, 32, seq, 32**-0.5)
