@@ -9,7 +9,7 @@ Default shape: Llama-3.1-8B attention (B=1, 32 query / 8 KV heads, head dim 128,
 S in {8192, 32768}, structured inputs (:func:`elasticfw.bench.inputs.structured_qkv`). Rows: the
 dense SDPA baselines (``sdpa_cudnn`` is every ``ratio``'s), FlexAttention on a prebuilt causal
 mask, and per mode ``flex:``, ``layout:``, ``convert:`` and ``mode:``, plus the Elastic Attention
-case ``flex:hybrid(full+<mode>)``; forward, and forward+backward where differentiable, with each
+case ``flex:hybrid(full+<mode>)`` (``--mix``: a K-way layer, :mod:`elasticfw.bench.attention_mix`); forward, and forward+backward where differentiable, with each
 layout's ESR beside its time. ``--layout-memory N`` measures each mode's layout memory at N tokens.
 A failing entry records its error and the run goes on (exit status 1); the JSON records the
 environment and commit. What each row times: ``docs/explanation/design-notes.md``.
@@ -33,6 +33,7 @@ from elasticfw.attention.layout import BlockLayout, causal_layout, esr
 from elasticfw.attention.mode import AttentionMode
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.bench.attention_checks import check_lengths, correctness, layout_memory, routed_correctness
+from elasticfw.bench.attention_mix import mix_rows
 from elasticfw.bench.attention_setup import bench_modes, flex_config, hybrid, hybrid_heads, inner_flex
 from elasticfw.bench.inputs import InputStructure, describe, random_qkv, structured_qkv
 from elasticfw.bench.timing import (
@@ -306,6 +307,9 @@ def bench_seq(S: int, args: argparse.Namespace, rec: Recorder, device: torch.dev
 
                 rec.run({"seq": S, "name": entry, "kind": "fwd"}, other_body)
 
+    if args.mix:  # the K-way layer: heads split among modes, against the sum of its parts
+        mix_rows(S, args, rec, device, (q0, k0, v0), seq, layouts, finish)
+
     # -- the baseline once more, last: a GPU's clock drifts over a run, so every ratio of this length
     # divides by the mean of the baseline's first and last times (both kept, and their spread)
     for name, backend in backends:
@@ -386,6 +390,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--msr", type=float, default=0.875, help="sparse share of KV heads in the hybrid entries")
     p.add_argument("--no-hybrid", action="store_true")
+    p.add_argument(
+        "--mix", nargs="+", default=None, metavar="MODE=KV_HEADS",
+        help="a K-way layer: KV heads per mode in routing order, summing to --kv-heads, e.g. full=1 xattention=3 "
+        "streaming=4; timed through each non-flex executor against the sum of its groups alone "
+        "(elasticfw.bench.attention_mix)",
+    )
     p.add_argument(
         "--no-backward", action="store_true",
         help="time forwards only, and check the forward only (outputs and lse, no gradients)",
