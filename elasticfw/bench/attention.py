@@ -9,8 +9,8 @@ Default shape: Llama-3.1-8B attention (B=1, 32 query / 8 KV heads, head dim 128,
 S in {8192, 32768}, structured inputs (:func:`elasticfw.bench.inputs.structured_qkv`). Rows: the
 dense SDPA baselines (``sdpa_cudnn`` is every ``ratio``'s), FlexAttention on a prebuilt causal
 mask, and per mode ``flex:``, ``layout:``, ``convert:`` and ``mode:``, plus the Elastic Attention
-case ``flex:hybrid(full+<mode>)`` (``--mix``: a K-way layer, :mod:`elasticfw.bench.attention_mix`); forward, and forward+backward where differentiable, with each
-layout's ESR beside its time. ``--layout-memory N`` measures each mode's layout memory at N tokens.
+case ``flex:hybrid(full+<mode>)`` (``--mix``: a K-way layer, :mod:`elasticfw.bench.attention_mix`);
+forward, and forward+backward where differentiable, with each layout's ESR beside its time. ``--layout-memory N`` measures each mode's layout memory at N tokens.
 A failing entry records its error and the run goes on (exit status 1); the JSON records the
 environment and commit. What each row times: ``docs/explanation/design-notes.md``.
 """
