@@ -15,6 +15,7 @@
     elasticfw demo [key=value ...]             # the paper in miniature on the default model
     elasticfw lm-eval --recipe R [--adapter A] <lm-eval args>   # lm-evaluation-harness on an elastic model
     elasticfw bench prefill --out F [...]      # model-level time to first token, dense vs elastic
+    elasticfw bench generate --out F [...]     # end-to-end generation: TTFT, decode tokens/s, memory, dense vs elastic
     elasticfw bench attention --out F [...]    # attention kernels per mode (python -m elasticfw.bench.attention)
     elasticfw bench router --out F [...]       # router overhead (python -m elasticfw.bench.router)
     elasticfw bench targets DIR [--also F ...] # DIR/targets.json: the speed targets' figures from the JSONs in DIR (and F)
@@ -204,6 +205,12 @@ def _cmd_bench_prefill(args: argparse.Namespace) -> int:
     return prefill.main(args=args)
 
 
+def _cmd_bench_generate(args: argparse.Namespace) -> int:
+    from elasticfw.bench import generate
+
+    return generate.main(args=args)
+
+
 def _cmd_bench_passthrough(args: argparse.Namespace) -> int:
     import importlib
 
@@ -227,13 +234,17 @@ def _cmd_bench_targets(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: Any) -> None:
-    from elasticfw.bench import prefill
+    from elasticfw.bench import generate, prefill
 
-    bench = sub.add_parser("bench", help="benchmarks: prefill, attention, router; targets from their JSONs")
+    bench = sub.add_parser("bench", help="benchmarks: prefill, generate, attention, router; targets from their JSONs")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     p = bsub.add_parser("prefill", help="model-level time to first token: dense SDPA vs elastic (random weights)")
     prefill.add_arguments(p)
     p.set_defaults(func=_cmd_bench_prefill)
+    p = bsub.add_parser("generate", help="end-to-end generation: time to first token, decode tokens/s, end-to-end "
+                        "time and peak memory, dense vs elastic (random weights)")
+    generate.add_arguments(p)
+    p.set_defaults(func=_cmd_bench_generate)
     for name, text in (("attention", "attention kernels per mode against dense SDPA"),
                        ("router", "router overhead for all layers")):
         p = bsub.add_parser(name, help=f"{text} (arguments: python -m elasticfw.bench.{name} --help)", add_help=False)

@@ -30,6 +30,11 @@ JSON under ``--out`` as it goes:
    ``torch.profiler`` table of three more steps per variant (where a step's GPU time goes; the
    steps are host-bound, ``results/bench/speed-targets-2026-12-06/README.md``).
 
+   ``generate.json`` (only with ``--steps generate``, a call of its own: about 5 min on an H100) —
+   ``elasticfw bench generate --reps 1``: 32K and 128K prompts + 256 new tokens at batch 1 and 8,
+   dense vs FA-SSA MSR 0.875 with the full and the compact cache (4 layers), whose compact-cache
+   decode step and end-to-end time over dense are figures of ``targets.json``.
+
 5. ``density.json`` — ``python -m elasticfw.bench.density --seq 131072 --tiles 128,128,8,2
    --triton 128,128,8,3 128,64,8,3``: FlexAttention and the Triton block-sparse kernel on random
    block layouts of 100% down to 12.5% of the causal blocks, against dense cuDNN (the block-sparse
@@ -62,7 +67,7 @@ Before them ``--steps gpu-tests`` runs the GPU tests of the kernels (``pytest -m
    the host or by the kernel.
 
 then ``targets`` when one of the steps that give its figures ran (``attention``, ``router``,
-``prefill``, ``density``; a call of ``--steps gpu-tests`` alone writes no ``targets.json`` of
+``prefill``, ``generate``, ``density``; a call of ``--steps gpu-tests`` alone writes no ``targets.json`` of
 missing figures). ``demo-cpu`` times the old CPU demo (``results/bench/demo-executors/demo-cpu.json``: ``elasticfw
 compare`` on the embedded SmolLM2-135M, passkey at 1,440 tokens, 20 samples, batch 4, 8 new tokens;
 full attention vs every head streaming with sink 64 / local 256), ``--executor`` (default
@@ -104,7 +109,7 @@ VARIANTS = {"full": {"name": "fixed", "assign": "all_retrieval"}, "all-streaming
 
 
 #: the ``gpu`` steps whose JSON ``targets`` reads a figure from
-FIGURE_STEPS = frozenset({"attention", "router", "prefill", "density"})
+FIGURE_STEPS = frozenset({"attention", "router", "prefill", "generate", "density"})
 
 
 def _positive(text: str) -> int:
@@ -138,6 +143,8 @@ def gpu(args: argparse.Namespace) -> int:
         "prefill": [py, "-m", "elasticfw.cli", "bench", "prefill", "--model", *models, "--seq", "8192", "32768", "131072",
          "--layers", layers, "--executors", "split", "--msr", "0.5", "0.875", "--configs", "fa-ssa", "fa-xa", "xa-ssa",
          "--reps", "5", "--overwrite", "--out", str(out / "prefill.json")],
+        "generate": [py, "-m", "elasticfw.cli", "bench", "generate", "--layers", layers, "--reps", "1", "--overwrite",
+                     "--out", str(out / "generate.json")],
         "decode": [py, "-m", "elasticfw.bench.decode_memory", "--prefill-executor", "split", "--decode-executor", "split",
          "--profile", "--out", str(out / "decode.json")],
         "gpu-tests": [py, "-m", "pytest", "tests/test_gpu.py", "tests/test_router_fused.py", "tests/test_xattention_triton.py",
@@ -288,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--out", type=Path, default=Path("results/bench/speed-targets"))
     g.add_argument("--layers", type=int, default=4, help="decoder layers of the model prefill (of 32)")
     g.add_argument("--with-qwen", action="store_true", help="also the Qwen3-8B shape in the prefill benchmark")
-    g.add_argument("--steps", nargs="+", choices=["gpu-tests", "attention", "router", "prefill", "decode", "density", "variants", "kernels",
+    g.add_argument("--steps", nargs="+", choices=["gpu-tests", "attention", "router", "prefill", "generate", "decode", "density", "variants", "kernels",
                             "decode-host", "router-host"],
                    default=["attention", "router", "prefill", "density"],
                    help="which benchmarks to run (one call each when a command has a time limit)")

@@ -31,28 +31,13 @@ import torch
 
 from elasticfw.atomic import atomic_write_text
 from elasticfw.bench.prefill import fixed_router
+from elasticfw.bench.timing import DTYPES
+from elasticfw.bench.timing import allocated_bytes as _allocated
+from elasticfw.bench.timing import peak_bytes as _peak
+from elasticfw.bench.timing import reset_peak as _reset_peak
+from elasticfw.bench.timing import sync as _sync
 from elasticfw.model.elastic import cache_argument
 from elasticfw.provenance import environment
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _allocated(device: torch.device) -> int | None:
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
-
-
-def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def _peak(device: torch.device) -> int | None:
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
 def cache_nbytes(cache: Any) -> int:

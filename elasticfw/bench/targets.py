@@ -4,7 +4,7 @@
 
 :func:`build_targets` is a pure function: the loaded JSONs of one run (file name -> content) in,
 one ``{"figure", "value", "target", "met", "source"}`` per speed target out, each JSON recognised
-by its content (the attention, prefill, router and density benchmarks, the CPU demo). A figure
+by its content (the attention, prefill, generate, router and density benchmarks, the CPU demo). A figure
 whose JSON or row is missing or errored, whose run's setup is not the targets'
 (:func:`setup_mismatch`), whose value is not finite or whose run failed its correctness checks is
 not met, with the reason in ``note``; each entry carries its source's ``gpu`` and ``git_commit``.
@@ -30,6 +30,14 @@ PLANNING = {"xattention": ("XAttention", 0.10), "nsa": ("NSA", 0.15), "moba": ("
 MSR = 0.875
 STREAMING_HYBRID = f"hybrid(full+streaming,msr={MSR})"
 
+#: the generation benchmark's figures: (label, prompt tokens, target of the decode step's ratio) per
+#: length, the batches, the new tokens and the variant (the elastic row read is ``GENERATE_ROW``)
+GENERATE_LENGTHS = [("32K", MID, 1.0), ("128K", LONG, 0.6)]
+GENERATE_BATCHES = (1, 8)
+GENERATE_NEW_TOKENS = 256
+GENERATE_VARIANT = f"FA-SSA MSR {MSR} compact cache"
+GENERATE_ROW = f"elastic:split:fa-ssa:msr={MSR:g}:compact_cache"
+
 #: (figure, target, "<=" or ">=") in the targets table's order; the mode layers follow the planning rows
 FIGURES: list[tuple[str, float, str]] = [
     ("layer, FA-SSA (sink 128, local 2048) MSR 0.875 @128K / dense cuDNN", 0.15, "<="),
@@ -37,6 +45,10 @@ FIGURES: list[tuple[str, float, str]] = [
     ("model prefill @128K, MSR 0 / dense", 0.97, ">="),
     ("model prefill @128K, FA-SSA MSR 0.875 / dense", 2.3, ">="),
     ("model prefill @32K, FA-SSA MSR 0.875 / dense", 1.4, ">="),
+    # end-to-end generation (elasticfw bench generate): FA-SSA MSR 0.875 with the compact KV cache
+    *[(f"generate decode step @{label}, batch {batch}, {GENERATE_VARIANT} / dense", target, "<=")
+      for batch in GENERATE_BATCHES for label, _, target in GENERATE_LENGTHS],
+    (f"generate end to end @128K + {GENERATE_NEW_TOKENS} tokens, batch 1, {GENERATE_VARIANT} / dense", 0.55, "<="),
     *[(f"{label} planning @128K / dense", target, "<=") for label, target in PLANNING.values()],
     ("router, all layers, per layer", 0.1, "<="),
     ("CPU (2 cores), demo at 1.4K tokens: all-streaming time / full time", 1.0, "<="),
@@ -51,8 +63,8 @@ def _kind(data: Any) -> str | None:
     if not isinstance(data, dict):
         return None
     bench = data.get("benchmark")
-    if bench in ("elasticfw.bench.attention", "elasticfw.bench.prefill", "elasticfw.bench.density", "router_overhead",
-                 "demo_cpu"):
+    if bench in ("elasticfw.bench.attention", "elasticfw.bench.prefill", "elasticfw.bench.generate",
+                 "elasticfw.bench.density", "router_overhead", "demo_cpu"):
         return str(bench)
     labels = {r.get("label") for r in data.get("rows", []) if isinstance(r, dict)}
     if {"full", "all-streaming"} <= labels:
@@ -96,7 +108,8 @@ def setup_mismatch(kind: str, data: dict[str, Any]) -> str | None:
     """Why a benchmark JSON's setup is not the one the table's figures are of, or ``None``: the GPU
     benchmarks ran on CUDA; the attention benchmark's shape, inputs (structured), default mode and
     flex options (no ``--set`` / ``--flex-set``), correctness checks run, and streaming window (block
-    64, block granularity); the prefill benchmark's dtype and streaming window (block 64); the
+    64, block granularity); the prefill and generate benchmarks' dtype and streaming window (block
+    64), and the generate benchmark's 256 new tokens; the
     router's kind (``mlp``) and shape (32 layers of the attention shape), and a run that timed
     ``decide`` alone; the density benchmark's shape; the demo on 2 CPU threads."""
     env = _environment(data)
@@ -133,12 +146,15 @@ def setup_mismatch(kind: str, data: dict[str, Any]) -> str | None:
         if streaming is not None and (streaming.get("block_size"), streaming.get("granularity")) != (64, "block"):
             return (f"streaming block_size {streaming.get('block_size')} / granularity {streaming.get('granularity')!r}, "
                     "not the table's 64 / 'block'")
-    elif kind == "elasticfw.bench.prefill":
+    elif kind in ("elasticfw.bench.prefill", "elasticfw.bench.generate"):
+        name = kind.rsplit(".", 1)[1]
         if data.get("dtype") != SHAPE["dtype"]:
-            return f"prefill dtype {data.get('dtype')!r}, not {SHAPE['dtype']!r}"
+            return f"{name} dtype {data.get('dtype')!r}, not {SHAPE['dtype']!r}"
+        if kind == "elasticfw.bench.generate" and data.get("new_tokens") != GENERATE_NEW_TOKENS:
+            return f"generate run of {data.get('new_tokens')} new tokens, not the table's {GENERATE_NEW_TOKENS}"
         streaming = data.get("streaming")
         if streaming is not None and streaming.get("block_size") != 64:
-            return f"prefill streaming block_size {streaming.get('block_size')}, not the table's 64"
+            return f"{name} streaming block_size {streaming.get('block_size')}, not the table's 64"
     elif kind == "router_overhead":
         if data.get("router") != "mlp":
             return f"router {data.get('router')!r}, not the paper's 'mlp'"
@@ -219,6 +235,23 @@ def _prefill(data: dict[str, Any]) -> dict[str, float | None]:
     }
 
 
+def _generate(data: dict[str, Any]) -> dict[str, float | None]:
+    """The compact-cache FA-SSA row's decode step and end-to-end time over dense, per length and batch."""
+    rows = [r for r in data.get("results", []) if isinstance(r, dict) and r.get("error") is None
+            and r.get("model") == "llama-3.1-8b" and r.get("variant") == GENERATE_ROW]
+
+    def ratio(key: str, seq: int, batch: int) -> float | None:
+        for r in rows:
+            if r.get("seq") == seq and r.get("batch") == batch and r.get(key) is not None:
+                return float(r[key])
+        return None
+
+    out = {f"step@{label}/b{batch}": ratio("decode_step_over_dense", seq, batch)
+           for batch in GENERATE_BATCHES for label, seq, _ in GENERATE_LENGTHS}
+    out["e2e@128K/b1"] = ratio("e2e_over_dense", LONG, 1)
+    return out
+
+
 def _density(data: dict[str, Any]) -> dict[str, float | None]:
     """The density benchmark's criteria at 128K (its configuration fastest at density 1)."""
     out: dict[str, float | None] = {"density_half": None, "density_full": None}
@@ -243,6 +276,7 @@ def _demo(data: dict[str, Any]) -> dict[str, float | None]:
 READERS: dict[str, Callable[[dict[str, Any]], dict[str, float | None]]] = {
     "elasticfw.bench.attention": _attention,
     "elasticfw.bench.prefill": _prefill,
+    "elasticfw.bench.generate": _generate,
     "elasticfw.bench.density": _density,
     "router_overhead": _router,
     "demo_cpu": _demo,
@@ -255,6 +289,10 @@ SOURCES: dict[str, tuple[str, str]] = {
     FIGURES[2][0]: ("elasticfw.bench.prefill", "msr0@128K"),
     FIGURES[3][0]: ("elasticfw.bench.prefill", "fa_ssa@128K"),
     FIGURES[4][0]: ("elasticfw.bench.prefill", "fa_ssa@32K"),
+    **{f"generate decode step @{label}, batch {batch}, {GENERATE_VARIANT} / dense":
+       ("elasticfw.bench.generate", f"step@{label}/b{batch}") for batch in GENERATE_BATCHES for label, _, _ in GENERATE_LENGTHS},
+    f"generate end to end @128K + {GENERATE_NEW_TOKENS} tokens, batch 1, {GENERATE_VARIANT} / dense":
+        ("elasticfw.bench.generate", "e2e@128K/b1"),
     **{f"{label} planning @128K / dense": ("elasticfw.bench.attention", f"plan:{mode}")
        for mode, (label, _) in PLANNING.items()},
     "router, all layers, per layer": ("router_overhead", "router"),

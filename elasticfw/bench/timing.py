@@ -1,11 +1,14 @@
 """Timing and result recording shared by the benchmarks (:mod:`elasticfw.bench.attention`,
-:mod:`elasticfw.bench.density`): a median time per call (Triton's ``do_bench`` on CUDA, a
-synchronised wall-clock loop elsewhere), a first call's time, a recorder that keeps a failing
-entry's error as a row, and executors reached through the registry."""
+:mod:`elasticfw.bench.density`, :mod:`elasticfw.bench.decode_memory`, :mod:`elasticfw.bench.generate`):
+a median time per call (Triton's ``do_bench`` on CUDA, a synchronised wall-clock loop elsewhere), a
+first call's time, time points on the device's timeline (:class:`DeviceClock`), CUDA memory
+figures, a recorder that keeps a failing entry's error as a row, and executors reached through the
+registry."""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 import traceback
@@ -16,7 +19,8 @@ import torch
 
 from elasticfw.registry import get_registry
 
-__all__ = ["DTYPES", "Recorder", "causal_flops", "first_call_s", "make_executor", "sync", "time_ms"]
+__all__ = ["DTYPES", "DeviceClock", "Recorder", "allocated_bytes", "causal_flops", "first_call_s", "free_memory",
+           "make_executor", "peak_bytes", "reset_peak", "sync", "time_ms"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -25,6 +29,57 @@ def sync(device: torch.device) -> None:
     """Wait for ``device``'s queued work (a no-op off CUDA)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def allocated_bytes(device: torch.device) -> int | None:
+    """``torch.cuda.memory_allocated`` on CUDA, ``None`` elsewhere."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+
+
+def reset_peak(device: torch.device) -> None:
+    """Restart ``torch.cuda.max_memory_allocated``'s count (a no-op off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_bytes(device: torch.device) -> int | None:
+    """``torch.cuda.max_memory_allocated`` since the last :func:`reset_peak` on CUDA, ``None`` elsewhere."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def free_memory(device: torch.device) -> None:
+    """Collect garbage and hand the caching allocator's free blocks back (on CUDA), so that the next
+    measurement starts from what is still referenced."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class DeviceClock:
+    """Time points on ``device``'s timeline, read once at the end: on CUDA an event recorded in the
+    current stream at each :meth:`mark` (no synchronisation between marks, so the host may run
+    ahead of the GPU as it does when serving; an interval is the GPU timeline's between two points,
+    which is the host's time where the host is the bottleneck), elsewhere ``time.perf_counter``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.points: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.points.append(event)
+        else:
+            self.points.append(time.perf_counter())
+
+    def intervals_ms(self) -> list[float]:
+        """Milliseconds between consecutive marks (waits for the last mark on CUDA)."""
+        if self.cuda:
+            if self.points:
+                self.points[-1].synchronize()
+            return [float(a.elapsed_time(b)) for a, b in zip(self.points, self.points[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.points, self.points[1:])]
 
 
 #: the fewest timed samples behind a median on CUDA: do_bench runs ``rep / estimate`` of them, one
