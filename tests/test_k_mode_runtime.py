@@ -18,7 +18,7 @@ from mode_definitions.common import causal
 from mode_definitions.moba import token_reference as moba_mask
 from mode_definitions.streaming import token_reference as streaming_mask
 
-from elasticfw.errors import RecipeError, UnsupportedInputError
+from elasticfw.errors import RecipeError
 from elasticfw.model.checkpoint import load_adapter
 from elasticfw.model.elastic import ElasticModel
 from elasticfw.recipe import load_recipe_dict, validate_recipe_data
@@ -188,12 +188,6 @@ def test_a_training_recipe_with_three_modes_is_refused():
         validate_recipe_data(data)
     data["elastic"]["modes"] = data["elastic"]["modes"][::2]
     assert validate_recipe_data(data).elastic.num_modes == 2
-
-
-def test_the_compact_kv_cache_is_refused_for_three_modes():
-    elastic = ElasticModel(tiny_model("llama", num_hidden_layers=1), section({"name": "fixed"}))
-    with pytest.raises(UnsupportedInputError, match="compact KV cache keeps two modes' keys and this model routes among 3"):
-        elastic.make_kv_cache()
 
 
 def test_the_how_to_recipes_validate():

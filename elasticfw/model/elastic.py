@@ -297,15 +297,10 @@ class ElasticModel(nn.Module):
 
     def make_kv_cache(self, **options: Any) -> Any:
         """A fresh compact KV cache for this model (:class:`~elasticfw.model.kv_cache.ElasticKVCache`;
-        ``options`` are its keyword arguments), for ``generate(cache=...)`` or a forward. Two modes only:
-        the compact cache keeps the keys of the retrieval and the sparse mode."""
+        ``options`` are its keyword arguments), for ``generate(cache=...)`` or a forward: each head keeps
+        what its mode (among two, or the ``elastic.modes``) reads at decode."""
         from elasticfw.model.kv_cache import ElasticKVCache
 
-        if self.runtime.modes is not None:
-            raise UnsupportedInputError(
-                f"the compact KV cache keeps two modes' keys and this model routes among {len(self.runtime.modes)} "
-                "(elastic.modes); generate with the full cache (no cache argument, elastic.kv_cache: full)"
-            )
         return ElasticKVCache(self, **options)
 
     @staticmethod

@@ -250,12 +250,14 @@ class ElasticKVLayer(DynamicLayer):
         return int(self.keys.nbytes + self.values.nbytes)
 
     # -- called by the runtime ------------------------------------------------------------------
-    def compact(self, can: Canonical, sparse: torch.Tensor | None, *, mixing: bool = False) -> None:
+    def compact(
+        self, can: Canonical, index: torch.Tensor | None, modes: list[AttentionMode], *, mixing: bool = False
+    ) -> None:
         """Replace this layer's dense keys by per-mode stores, after its prefill attention:
-        ``can`` holds the canonical (start-aligned) keys, ``sparse`` (B, Hkv) the hard decisions;
-        ``mixing``: the forward ran both modes for every head (a training router), refused."""
-        runtime = self.runtime
-        if sparse is None:
+        ``can`` holds the canonical (start-aligned) keys, ``index`` (B, Hkv) each head's position in
+        ``modes`` (the routing order: retrieval then sparse mode for two, ``elastic.modes`` for more);
+        ``mixing``: the forward ran every mode for every head (a training router), refused."""
+        if index is None:
             raise ElasticError(f"compact KV cache: layer {self.layer_idx} is not routed, it should not be compacted")
         if mixing:
             raise UnsupportedInputError(
@@ -267,8 +269,8 @@ class ElasticKVLayer(DynamicLayer):
         self.lengths_t = lengths.clone()
         longest = max(self.lengths, default=0)
         stores = []
-        for mode, chosen in ((runtime.retrieval_mode, ~sparse), (runtime.sparse_mode, sparse)):
-            pairs = chosen.nonzero()
+        for i, mode in enumerate(modes):
+            pairs = (index == i).nonzero()
             if pairs.shape[0] == 0:
                 continue
             b, h = pairs[:, 0], pairs[:, 1]

@@ -41,7 +41,9 @@ class HandoffLayer(Protocol):
     @property
     def compacted(self) -> bool: ...
 
-    def compact(self, can: Canonical, sparse: torch.Tensor | None, *, mixing: bool = False) -> None: ...
+    def compact(
+        self, can: Canonical, index: torch.Tensor | None, modes: list[AttentionMode], *, mixing: bool = False
+    ) -> None: ...
 
     def attend(
         self, q: torch.Tensor, info: KeyPaddingInfo | None, *, scale: float, executor: Executor
@@ -146,7 +148,8 @@ class ElasticRuntime:
         if cache_layer is not None:  # the prefill ran on the whole cache: now keep what each head reads
             mixing = self.mixing
             with torch.no_grad():
-                cache_layer.compact(can, None if decision is None else decision.sparse.detach() > 0.5, mixing=mixing)
+                modes = self.modes if self.modes is not None else [self.retrieval_mode, self.sparse_mode]
+                cache_layer.compact(can, None if decision is None else decision.index(), modes, mixing=mixing)
         return can.restore(out)
 
     @property

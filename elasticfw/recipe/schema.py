@@ -168,13 +168,7 @@ class ElasticBase(Section):
         from_modes = isinstance(data, dict) and data.get("modes") is not None
         section = handler(_normalise_modes(data))
         _check_modes(section, from_modes)
-        section = _stored_modes(section)
-        if section.modes is not None and section.kv_cache == "compact":
-            raise ValueError(
-                f"kv_cache = 'compact' with {section.num_modes} modes: the compact KV cache keeps the keys of two "
-                "modes only (K >= 3 is not supported yet); use kv_cache: full"
-            )
-        return section
+        return _stored_modes(section)
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: Any) -> Any:
