@@ -179,14 +179,19 @@ def test_save_load_round_trip_of_a_three_mode_adapter(tmp_path, router):
     assert torch.equal(index, torch.stack([loaded.runtime.records[i].mode_index for i in sorted(loaded.runtime.records)]))
 
 
-def test_a_training_recipe_with_three_modes_is_refused():
+def test_a_training_recipe_with_three_modes_needs_the_cost_constraint():
+    """The MSR targets alone are refused for three modes; cost targets make the recipe valid
+    (tests/test_cost_objective.py trains it)."""
     data = load_recipe_dict("recipes/train/smollm2-fa-ssa.yaml")
     data["elastic"] = {k: v for k, v in data["elastic"].items() if k not in ("retrieval_mode", "sparse_mode")}
     data["elastic"]["modes"] = [{"name": "full"}, {"name": "moba", "moba_block_size": 256},
                                 {"name": "streaming", "sink_tokens": 64, "local_tokens": 256}]
-    with pytest.raises(RecipeError, match="train: elastic.modes has 3 modes; training routes between two modes only"):
+    with pytest.raises(RecipeError, match="train.constraint = 'msr' with 3 modes in elastic.modes"):
         validate_recipe_data(data)
+    data["train"] = {**data["train"], "constraint": "cost", "cost_targets": {"sensitive": 0.7, "robust": 0.55}}
+    assert validate_recipe_data(data).train.constraint == "cost"
     data["elastic"]["modes"] = data["elastic"]["modes"][::2]
+    data["train"] = {k: v for k, v in data["train"].items() if k not in ("constraint", "cost_targets")}
     assert validate_recipe_data(data).elastic.num_modes == 2
 
 

@@ -366,3 +366,30 @@ def attend_modes(
         )
     return result
 
+
+
+class ModeCosts:
+    """The relative cost (:meth:`AttentionMode.cost`) of each of K modes, in routing order, at the
+    prefill lengths asked for; each length's costs are computed once. What the expected cost of a
+    routing weighs its mode shares with: ``sum_k share_k * cost_k``."""
+
+    def __init__(self, modes: list[AttentionMode]) -> None:
+        self.modes = list(modes)
+        self._rows: dict[int, tuple[float, ...]] = {}
+
+    def at(self, length: int) -> tuple[float, ...]:
+        """The K modes' costs on a prefill of ``length`` tokens."""
+        row = self._rows.get(length)
+        if row is None:
+            row = self._rows[length] = tuple(float(m.cost(length)) for m in self.modes)
+        return row
+
+    def table(self, lengths: list[int]) -> torch.Tensor:
+        """(B, K) float64 on the CPU: row b holds the modes' costs at ``lengths[b]``."""
+        return torch.tensor([self.at(int(n)) for n in lengths], dtype=torch.float64).reshape(len(lengths), len(self.modes))
+
+    def bounds(self, lengths: list[int]) -> tuple[float, float]:
+        """(cheapest, dearest): the smallest and the largest cost of any mode at any of ``lengths``,
+        the range an expected cost can take on them."""
+        rows = [self.at(int(n)) for n in lengths]
+        return min(min(r) for r in rows), max(max(r) for r in rows)

@@ -32,6 +32,13 @@ class SampleResult:
     #: per routed layer, each KV head's noise-free P(sparse) (4 decimals); ``None`` for a plain model
     prob_sparse: list[list[float]] | None = None
     routed_layers: list[int] | None = None
+    #: K >= 3 modes: per routed layer, each KV head's mode (0: the first); ``None`` otherwise
+    modes: list[list[int]] | None = None
+    #: the share of routed (layer, KV head) in each mode, and the expected cost of the routing: the mean
+    #: over them of their mode's relative cost at the prompt's length (full attention 1); ``None`` for a
+    #: plain model
+    shares: list[float] | None = None
+    cost: float | None = None
     prefill_seconds: float = 0.0
     batch_prefill_seconds: float = 0.0
     generate_seconds: float = 0.0
@@ -130,6 +137,11 @@ def generate_batch(
     routing = elastic.routing if model is not elastic else None
     decisions = routing.decisions.int().tolist() if routing is not None else None
     probs = routing.prob_sparse.float().round(decimals=4).tolist() if routing is not None else None
+    modes = routing.mode_index.tolist() if routing is not None and routing.mode_index is not None else None
+    shares = costs = None
+    if routing is not None:
+        shares = routing.mode_shares()
+        costs = (shares * elastic.costs.table([len(s.input_ids) for s in batch])).sum(-1).tolist()
     batch_tokens = sum(len(s.input_ids) for s in batch)
     results = []
     for i, sample in enumerate(batch):
@@ -145,6 +157,9 @@ def generate_batch(
                 decisions=decisions[i] if decisions is not None else None,
                 prob_sparse=probs[i] if probs is not None else None,
                 routed_layers=list(routing.routed_layers) if routing is not None else None,
+                modes=modes[i] if modes is not None else None,
+                shares=shares[i].tolist() if shares is not None else None,
+                cost=costs[i] if costs is not None else None,
                 prefill_seconds=prefill * len(sample.input_ids) / batch_tokens,
                 batch_prefill_seconds=prefill,
                 generate_seconds=total,

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from elasticfw.attention.mode import ModeCosts
 from elasticfw.errors import ElasticError, UnsupportedInputError
 from elasticfw.model.adapter import BackboneAdapter
 from elasticfw.model.adapter_files import save_adapter
@@ -113,6 +114,17 @@ class RoutingReport:
     esr_last_layer: torch.Tensor
     layer_esr: torch.Tensor
     routed_layers: tuple[int, ...]
+    #: K >= 3 modes: (B, L_routed, Hkv) int64, each head's mode (``decisions``: not mode 0); else ``None``
+    mode_index: torch.Tensor | None = None
+    num_modes: int = 2
+
+    def mode_shares(self) -> torch.Tensor:
+        """(B, K) float64: each sample's share of routed (layer, KV head) in each mode."""
+        if self.mode_index is None:
+            sparse = self.decisions.double().mean((1, 2))
+            return torch.stack([1 - sparse, sparse], dim=-1)
+        one_hot = torch.nn.functional.one_hot(self.mode_index.long().cpu(), self.num_modes)
+        return one_hot.double().mean((1, 2))
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -121,6 +133,7 @@ class RoutingReport:
             "esr_last_layer": self.esr_last_layer.tolist(),
             "routed_layers": list(self.routed_layers),
             "decisions": self.decisions.int().tolist(),
+            **({"modes": self.mode_index.tolist()} if self.mode_index is not None else {}),
         }
 
 
@@ -167,6 +180,8 @@ class ElasticModel(nn.Module):
         device = next(model.parameters()).device
         self.router.to(device)
         modes = [registry.make("sparse_mode", config) for config in configs]
+        #: each mode's relative cost at a prefill length (what the expected cost weighs mode shares with)
+        self.costs = ModeCosts(modes)
         self.runtime = ElasticRuntime(
             retrieval_mode=modes[0],
             sparse_mode=modes[-1],
@@ -322,6 +337,30 @@ class ElasticModel(nn.Module):
             raise ElasticError("no forward pass has run yet: the MSR is not available")
         return torch.stack(decisions, dim=1).float().mean((1, 2))
 
+    @property
+    def modes(self) -> list[Any]:
+        """The K attention modes in routing order (mode 0 first)."""
+        runtime = self.runtime
+        return list(runtime.modes) if runtime.modes is not None else [runtime.retrieval_mode, runtime.sparse_mode]
+
+    def mode_shares(self) -> torch.Tensor:
+        """(B, K) share of the routed (layer, KV head) in each mode in the last forward, *differentiable*
+        in training like :meth:`msr` (the mean of the decisions' straight-through one-hot rows: the
+        forward value is the hard routing, the gradient the router's relaxed probabilities').
+        For two modes, column 1 is :meth:`msr`."""
+        decisions = [self.runtime.decisions[i] for i in self.heads.routed_layers if i in self.runtime.decisions]
+        if len(decisions) != self.heads.num_routed:
+            raise ElasticError("no forward pass has run yet: the mode shares are not available")
+        return torch.stack([d.one_hot() for d in decisions], dim=1).float().mean((1, 2))
+
+    def expected_cost(self, lengths: list[int]) -> torch.Tensor:
+        """(B,) expected relative cost of the last forward, differentiable like :meth:`mode_shares`: the
+        mean over routed (layer, KV head) of ``sum_k m_k cost_k``, with ``cost_k`` mode k's cost at the
+        sample's prefill length ``lengths[b]`` (:attr:`costs`) — the quantity ``train.constraint: cost``
+        constrains."""
+        shares = self.mode_shares()
+        return (shares * self.costs.table(lengths).to(shares.device, shares.dtype)).sum(-1)
+
     def set_progress(self, progress: float) -> None:
         """Training progress in [0, 1] (drives the router's temperature schedule)."""
         self.router.set_progress(progress)
@@ -349,6 +388,7 @@ class ElasticModel(nn.Module):
         causal = records[layers[0]].causal.double().clamp_min(1)
         computed = torch.stack([records[i].computed for i in layers], dim=1).double()  # (B, L, Hq)
         layer_esr = 1 - computed / causal[:, None, None]
+        index = [m for m in (records[i].mode_index for i in routed) if m is not None]
         return RoutingReport(
             decisions=decisions,
             prob_sparse=probs,
@@ -357,6 +397,8 @@ class ElasticModel(nn.Module):
             esr_last_layer=layer_esr[:, -1].mean(-1).float(),
             layer_esr=layer_esr.float(),
             routed_layers=tuple(routed),
+            mode_index=torch.stack(index, dim=1) if index and len(index) == len(routed) else None,
+            num_modes=self.heads.num_modes,
         )
 
     # -- adapters on disk ------------------------------------------------------------------------

@@ -32,7 +32,14 @@ from elasticfw.recipe.sections import (  # PLUGIN_FIELDS also importable from he
     merge_sections,
 )
 from elasticfw.recipe.sweep_section import SweepSettings
-from elasticfw.recipe.train_section import Target, TrainSettings, check_target
+from elasticfw.recipe.train_checks import check_train_objective
+from elasticfw.recipe.train_section import (
+    Target,
+    TrainSettings,
+    TrainTaskBase,
+    check_cost_target,
+    check_target,
+)
 from elasticfw.registry import Registry, get_registry
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
@@ -279,9 +286,10 @@ def _build_models(registry_id: int, revision: int) -> type[BaseModel]:  # revisi
     )
     train_task = create_model(
         "TrainTask",
-        __base__=Section,
+        __base__=TrainTaskBase,
         __doc__="One task of the training mixture, with its sparsity target.",
-        __validators__={"_target": field_validator("target")(_check_target)},  # type: ignore[dict-item]
+        __validators__={"_target": field_validator("target")(_check_target),  # type: ignore[dict-item]
+                        "_cost_target": field_validator("cost_target")(_check_cost_target)},  # type: ignore[dict-item]
         task=(registry.config_union("task"), Field(..., description="The task plugin; its num_samples is the training pool.")),
         label=(str | None, Field(None, min_length=1, max_length=100, pattern=_LABEL,
                                  description="Name in logs and summaries (default: the task's name).")),
@@ -292,6 +300,11 @@ def _build_models(registry_id: int, revision: int) -> type[BaseModel]:  # revisi
         target=(
             Target | None,
             Field(None, description="Sparsity target t in [0, 1], or an interval [t_lo, t_hi] (default: train.targets[category])."),
+        ),
+        cost_target=(
+            Target | None,
+            Field(None, description="With train.constraint: cost, its expected-cost target (a relative cost, full "
+                  "attention = 1), or an interval [lo, hi] (default: train.cost_targets[category])."),
         ),
         weight=(float, Field(1.0, gt=0, le=1e6, description="Relative frequency of this task in the mixture.")),
         eval_samples=(int, Field(20, ge=0, le=1_000_000, description="Held-back samples (eval split) for the evaluation after training.")),
@@ -368,7 +381,7 @@ def _build_models(registry_id: int, revision: int) -> type[BaseModel]:  # revisi
         __validators__={
             "_variants": model_validator(mode="before")(merge_variants),  # type: ignore[dict-item]
             "_sweep": model_validator(mode="after")(check_sweep),  # type: ignore[dict-item]
-            "_k_modes": model_validator(mode="after")(check_k_mode_training),  # type: ignore[dict-item]
+            "_objective": model_validator(mode="after")(check_train_objective),  # type: ignore[dict-item]
         },
     )
     return recipe
@@ -382,6 +395,10 @@ def _check_adapter_dir(value: str | None) -> str | None:
 
 def _check_target(value: Any) -> Any:
     return check_target(value)
+
+
+def _check_cost_target(value: Any) -> Any:
+    return check_cost_target(value)
 
 
 def _check_train_labels(section: Any) -> Any:
@@ -399,18 +416,6 @@ def _check_train_labels(section: Any) -> Any:
     if "full" in names:
         raise ValueError("a baseline may not be called 'full': the summary reserves it for full attention")
     return section
-
-
-def check_k_mode_training(recipe: Any) -> Any:
-    """Training among K >= 3 modes needs the objective on the expected cost, which is not there yet:
-    refuse it rather than train the two-mode MSR objective on "not mode 0"."""
-    if recipe.train is not None and recipe.elastic.num_modes > 2:
-        raise ValueError(
-            f"train: elastic.modes has {recipe.elastic.num_modes} modes; training routes between two modes only "
-            "(the objective on the expected cost of K modes is not implemented yet): give two modes to train, "
-            "or run a trained K-mode adapter with eval / compare"
-        )
-    return recipe
 
 
 def sweep_task_entries(recipe: Any) -> list[tuple[str, Any, str | None]]:

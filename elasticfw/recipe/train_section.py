@@ -8,9 +8,9 @@ Defaults are the paper's (arXiv 2601.17367, Table 6 and App. D.1).
 from __future__ import annotations
 
 import math
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 #: a sparsity target: one value t, or an interval [t_lo, t_hi] with no penalty inside
 Target = Union[float, tuple[float, float]]
@@ -29,8 +29,37 @@ def check_target(value: Target | None) -> Target | None:
     return value
 
 
+def check_cost_target(value: Target | None) -> Target | None:
+    """A cost target is a relative cost >= 0 (full attention = 1), or an interval [lo, hi] with lo <= hi.
+    Whether the modes can reach it is checked against their costs (:mod:`elasticfw.recipe.train_checks`)."""
+    if value is None:
+        return None
+    values = (value,) if isinstance(value, (int, float)) else tuple(value)
+    for v in values:
+        if not math.isfinite(v) or not 0.0 <= v <= 100.0:
+            raise ValueError(f"a cost target is a relative cost in [0, 100] (full attention = 1), got {v!r}")
+    if len(values) == 2 and values[0] > values[1]:
+        raise ValueError(f"a cost target interval [lo, hi] needs lo <= hi, got [{values[0]}, {values[1]}]")
+    return value
+
+
 def _paper_targets() -> dict[Literal["sensitive", "robust"], Target]:
     return {"sensitive": 0.7, "robust": 1.0}
+
+
+class TrainTaskBase(BaseModel):
+    """What every ``train.tasks`` entry has beside its fields (built with the registry in
+    :mod:`elasticfw.recipe.schema`): a dump leaves out an unset ``cost_target``, so an entry that does
+    not use the cost objective dumps as before."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and "cost_target" in data and data["cost_target"] is None:
+            del data["cost_target"]
+        return data
 
 
 class TrainSettings(BaseModel):
@@ -71,6 +100,19 @@ class TrainSettings(BaseModel):
         default_factory=lambda: _paper_targets(),
         description="Default sparsity target per task category (paper: 0.7 sensitive, 1.0 robust); a task entry's `target` overrides it.",
     )
+    constraint: Literal["msr", "cost"] = Field(
+        "msr",
+        description="The quantity the Lagrangian constrains per task. msr: the model sparsity ratio (the share of "
+        "heads not in mode 0) against `targets` (the paper; two modes). cost: the expected cost, per sample the mean "
+        "over routed (layer, KV head) of sum_k m_k cost_k (m the router's straight-through one-hot, cost_k mode k's "
+        "relative cost at the prompt's length), against `cost_targets`; needed to train among K >= 3 modes.",
+    )
+    cost_targets: dict[Literal["sensitive", "robust"], Target] = Field(
+        default_factory=dict,
+        description="With constraint: cost, the expected-cost target per task category: a relative cost (full "
+        "attention = 1) between the cheapest and the dearest mode's, or an interval [lo, hi]; a task entry's "
+        "`cost_target` overrides it.",
+    )
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="auto: bf16 autocast on CUDA, fp32 elsewhere."
     )
@@ -97,6 +139,16 @@ class TrainSettings(BaseModel):
             check_target(target)
         return value
 
+    @field_validator("cost_targets")
+    @classmethod
+    def _cost_targets(cls, value: dict[str, Target]) -> dict[str, Target]:
+        for category, target in value.items():
+            try:
+                check_cost_target(target)
+            except ValueError as exc:
+                raise ValueError(f"{category} = {target!r}: {exc}") from None
+        return value
+
     @field_validator("lr_scale")
     @classmethod
     def _lr_scale(cls, value: dict[str, float]) -> dict[str, float]:
@@ -104,6 +156,16 @@ class TrainSettings(BaseModel):
             if not math.isfinite(scale) or scale <= 0:
                 raise ValueError(f"lr_scale.{name} must be a positive finite multiplier, got {scale!r}")
         return value
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> Any:
+        """The cost objective's fields are left out of dumps while unused: a section that does not set
+        them dumps (and hashes) as before."""
+        data = handler(self)
+        if isinstance(data, dict) and data.get("constraint") == "msr" and not data.get("cost_targets"):
+            data.pop("constraint", None)
+            data.pop("cost_targets", None)
+        return data
 
     @model_validator(mode="after")
     def _batches(self) -> TrainSettings:

@@ -35,7 +35,8 @@ class TrainItem:
 
 @dataclass
 class MixtureTask:
-    """A task of the mixture, resolved: its plugin, label, category, target and training pool."""
+    """A task of the mixture, resolved: its plugin, label, category, target and training pool.
+    ``cost_target``: its expected-cost target under ``train.constraint: cost`` (else ``None``)."""
 
     label: str
     task: Task
@@ -43,6 +44,11 @@ class MixtureTask:
     target: Any
     weight: float
     items: list[TrainItem]
+    cost_target: Any = None
+
+    def constrained_target(self, constraint: str) -> Any:
+        """The target of the quantity ``constraint`` (``train.constraint``) names: MSR or cost."""
+        return self.cost_target if constraint == "cost" else self.target
 
 
 def encode_targets(task: Task, samples: list[Sample], tokenizer: Any, index: int, label: str) -> list[TrainItem]:

@@ -11,6 +11,7 @@ from elasticfw.eval.generate import evaluate
 from elasticfw.model.checkpoint import load_adapter
 from elasticfw.provenance import environment
 from elasticfw.registry import Registry
+from elasticfw.training.cost import cost_summary, mode_labels, reports_cost
 from elasticfw.training.data import MixtureTask
 from elasticfw.training.objective import target_bounds
 
@@ -48,6 +49,7 @@ def evaluate_heldout(
             model, adapter, registry=registry, base_model=recipe.model.name)
         try:
             per_task = {}
+            costed = adapter is not None and reports_cost(subject.heads.num_modes, settings.constraint)
             for task_label, (task, samples) in sets.items():
                 res = evaluate(subject, tokenizer, task, samples, batch_size=settings.eval_batch_size,
                                max_new_tokens=task.max_new_tokens)
@@ -55,12 +57,17 @@ def evaluate_heldout(
                     **res.summary(),
                     "per_sample": [{"score": r.score, "msr": r.msr, "esr": r.esr, "tokens": r.tokens,
                                     "completion": r.completion, "decisions": r.decisions,
-                                    "prob_sparse": r.prob_sparse} for r in res.results],
+                                    "prob_sparse": r.prob_sparse,
+                                    **({"modes": r.modes} if costed and r.modes is not None else {}),
+                                    **({"cost": r.cost, "shares": r.shares} if costed else {})}
+                                   for r in res.results],
                 }
                 if progress:
                     s = per_task[task_label]
+                    cost = (f"cost {sum(r.cost for r in res.results if r.cost is not None) / len(res.results):.3f}  "
+                            if costed and res.results else "")
                     print(f"  {label:<10} {task_label:<22} {task.metric} {s['accuracy']:.3f}  MSR {s['msr']:.3f}  "
-                          f"({s['samples']} samples, {s['seconds']:.0f}s)", flush=True)
+                          f"{cost}({s['samples']} samples, {s['seconds']:.0f}s)", flush=True)
             results[label] = per_task
         finally:
             if adapter is not None:
@@ -69,10 +76,13 @@ def evaluate_heldout(
 
 
 def summary_dict(recipe: Any, mixture: list[MixtureTask], evals: dict[str, Any], model: Any) -> dict[str, Any]:
-    """The run's summary: per router and task, MSR, accuracy and full attention's accuracy."""
+    """The run's summary: per router and task, MSR, accuracy and full attention's accuracy; with K >= 3
+    modes or ``train.constraint: cost`` also the expected cost (mean, spread), its target, and the share
+    of heads per mode."""
     import torch
 
     full = evals.get(FULL, {})
+    modes = mode_labels([m.name for m in recipe.elastic.mode_configs()])
     routers: dict[str, Any] = {}
     for label, per_task in evals.items():
         if label == FULL:
@@ -93,6 +103,11 @@ def summary_dict(recipe: Any, mixture: list[MixtureTask], evals: dict[str, Any],
                 "full_accuracy": f.get("accuracy"),
                 "samples": r["samples"],
             }
+            costed = [row for row in r["per_sample"] if row.get("cost") is not None]
+            if costed:
+                if t.cost_target is not None:
+                    tasks[t.label]["cost_target"] = list(target_bounds(t.cost_target))
+                tasks[t.label].update(cost_summary(costed, modes))
         routers[label] = {"tasks": tasks, **_means(tasks)}
     for label, rows in routing_rows(evals, mixture).items():
         routers[label]["routing"] = routing_block(rows, label)
@@ -183,8 +198,12 @@ def _means(tasks: dict[str, Any]) -> dict[str, Any]:
         if rows:
             out[f"{cat}_msr"] = sum(r["msr"] for r in rows) / len(rows)
             out[f"{cat}_accuracy"] = sum(r["accuracy"] for r in rows) / len(rows)
+            if all("cost" in r for r in rows):
+                out[f"{cat}_cost"] = sum(r["cost"] for r in rows) / len(rows)
     if tasks:
         out["mean_msr"] = sum(t["msr"] for t in tasks.values()) / len(tasks)
+        if all("cost" in t for t in tasks.values()):
+            out["mean_cost"] = sum(t["cost"] for t in tasks.values()) / len(tasks)
     return out
 
 
@@ -196,7 +215,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         for name, row in summary["routers"][r]["tasks"].items():
             if (name, row["category"]) not in tasks:
                 tasks.append((name, row["category"]))
-    head = f"{'task':<22} {'category':<9} {'full':>6}" + "".join(f" {r + ' score':>14} {'MSR':>5}" for r in routers)
+    costed = {r for r in routers if any("cost" in t for t in summary["routers"][r]["tasks"].values())}
+    head = f"{'task':<22} {'category':<9} {'full':>6}" + "".join(
+        f" {r + ' score':>14} {'MSR':>5}" + (f" {'cost':>5}" if r in costed else "") for r in routers)
     lines = [head, "-" * len(head)]
     for name, cat in tasks:
         full = summary["full"].get(name, {}).get("accuracy")
@@ -204,5 +225,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         for r in routers:
             row = summary["routers"][r]["tasks"].get(name)
             line += f" {row['accuracy']:>14.3f} {row['msr']:>5.2f}" if row else f" {'-':>14} {'-':>5}"
+            if r in costed:
+                line += f" {row['cost']:>5.2f}" if row and "cost" in row else f" {'-':>5}"
         lines.append(line)
     return "\n".join(lines)

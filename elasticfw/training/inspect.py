@@ -4,8 +4,9 @@ Each task of the recipe's ``train.tasks`` gives ``samples`` prompts of its eval 
 is prefilled once (no generation) and its routing kept. The result, printed and written to
 ``--out``: per task the MSR's mean, spread, minimum and maximum, the decision margins, the share of
 samples routing each (layer, KV head) sparse (``routing.json``) and the heat map of the paper's
-Fig. 6 (``routing.png``). A router whose MSR has no spread within a task and no difference between
-tasks routes like a static assignment.
+Fig. 6 (``routing.png``). With K >= 3 modes (or a recipe that constrains the cost) also per task the
+expected cost's mean and spread and the share of heads per mode, and per sample its cost. A router
+whose MSR has no spread within a task and no difference between tasks routes like a static assignment.
 """
 
 from __future__ import annotations
@@ -23,11 +24,15 @@ from elasticfw.eval.generate import pad_batch
 from elasticfw.model.checkpoint import load_adapter
 from elasticfw.model.loading import load_model
 from elasticfw.registry import Registry, get_registry
+from elasticfw.training.cost import cost_summary, mode_labels, reports_cost
 from elasticfw.training.evaluate import msr_spread, routing_block
 
 
-def route_samples(elastic: Any, tokenizer: Any, samples: list[Any], batch_size: int) -> list[dict[str, Any]]:
-    """Prefill ``samples`` in left-padded batches; per sample its MSR, decisions and P(sparse)."""
+def route_samples(
+    elastic: Any, tokenizer: Any, samples: list[Any], batch_size: int, *, costs: bool = False
+) -> list[dict[str, Any]]:
+    """Prefill ``samples`` in left-padded batches; per sample its MSR, decisions and P(sparse) (and,
+    with ``costs``, its expected cost, mode shares and, for K >= 3 modes, each head's mode)."""
     device = next(elastic.base.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = []
@@ -37,9 +42,16 @@ def route_samples(elastic: Any, tokenizer: Any, samples: list[Any], batch_size: 
             elastic(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
                     logits_to_keep=1, use_cache=False)
         report = elastic.routing
+        if costs:
+            shares = report.mode_shares()
+            cost = (shares * elastic.costs.table([len(s.input_ids) for s in samples[i : i + batch_size]])).sum(-1)
         for b in range(ids.shape[0]):
             rows.append({"msr": float(report.msr[b]), "decisions": report.decisions[b].int().tolist(),
                          "prob_sparse": report.prob_sparse[b].float().round(decimals=4).tolist()})
+            if costs:
+                rows[-1].update(cost=float(cost[b]), shares=shares[b].tolist())
+                if report.mode_index is not None:
+                    rows[-1]["modes"] = report.mode_index[b].tolist()
     return rows
 
 
@@ -57,20 +69,24 @@ def inspect_adapter(
     elastic.eval()
     rows: list[dict[str, Any]] = []
     tasks: dict[str, Any] = {}
+    costed = reports_cost(elastic.heads.num_modes, recipe.train.constraint)
+    modes = mode_labels([m.name for m in elastic.modes])
     try:
         for entry in recipe.train.tasks:
             plugin = registry.make("task", entry.task.model_copy(update={"num_samples": samples}))
             label = entry.label or plugin.name
             category = entry.category or plugin.category
             prompts = samples_from_dataset(task_dataset(plugin, tokenizer, seed=recipe.seed, split="eval"))
-            routed = route_samples(elastic, tokenizer, prompts, batch_size)
+            routed = route_samples(elastic, tokenizer, prompts, batch_size, costs=costed)
             rows += [{"variant": "adapter", "task": label, "category": category, **r} for r in routed]
             msrs = [r["msr"] for r in routed]
             tasks[label] = {"category": category, "samples": len(msrs), "msr": sum(msrs) / len(msrs), **msr_spread(msrs)}
+            if costed:
+                tasks[label].update(cost_summary(routed, modes))
     finally:
         elastic.unwrap()
     result = {"adapter": str(adapter), "tasks": tasks, "routing": routing_block(rows, "adapter"),
-              "per_sample": [{k: r[k] for k in ("task", "msr")} for r in rows]}
+              "per_sample": [{k: r[k] for k in ("task", "msr", "cost") if k in r} for r in rows]}
     if out is not None:
         from elasticfw.report.plots import heads_figure
 
@@ -83,10 +99,16 @@ def inspect_adapter(
 
 def format_inspection(result: dict[str, Any]) -> str:
     """A plain-text table: per task its MSR mean, spread and range; then the decision margins."""
-    lines = [f"{'task':<22} {'category':<9} {'n':>4} {'MSR':>6} {'std':>6} {'min':>6} {'max':>6}"]
+    costed = all("cost" in t for t in result["tasks"].values())
+    lines = [f"{'task':<22} {'category':<9} {'n':>4} {'MSR':>6} {'std':>6} {'min':>6} {'max':>6}"
+             + (f" {'cost':>6} {'std':>6} {'min':>6} {'max':>6}  share per mode" if costed else "")]
     for name, t in result["tasks"].items():
-        lines.append(f"{name:<22} {t['category']:<9} {t['samples']:>4} {t['msr']:>6.3f} {t['msr_std']:>6.3f} "
-                     f"{t['msr_min']:>6.3f} {t['msr_max']:>6.3f}")
+        line = (f"{name:<22} {t['category']:<9} {t['samples']:>4} {t['msr']:>6.3f} {t['msr_std']:>6.3f} "
+                f"{t['msr_min']:>6.3f} {t['msr_max']:>6.3f}")
+        if costed:
+            line += (f" {t['cost']:>6.3f} {t['cost_std']:>6.3f} {t['cost_min']:>6.3f} {t['cost_max']:>6.3f}  "
+                     + " ".join(f"{mode} {share:.3f}" for mode, share in t["mode_share"].items()))
+        lines.append(line)
     m, r = result["routing"]["margins"], result["routing"]
     if m is not None:
         lines.append(f"decision margin |P(sparse) - 0.5|: median {m['p50']:.3f}, saturated (> 0.49) "

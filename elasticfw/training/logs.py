@@ -2,7 +2,9 @@
 
 ``metrics.jsonl`` has one JSON object per step (LM loss, sparsity loss, MSR / gap / λ1 / λ2 per
 task, τ, learning rate, tokens/s, and the routing diagnostics of
-:mod:`elasticfw.training.diagnostics`); TensorBoard gets its numbers as scalars and its lists
+:mod:`elasticfw.training.diagnostics`; with K >= 3 modes or ``train.constraint: cost`` also the
+expected cost, its standard deviation over the step's samples and the share of heads per mode, per
+task: ``cost``, ``cost_std``, ``mode_share``; ``gap`` is then the constrained quantity's); TensorBoard gets its numbers as scalars and its lists
 (P(sparse) per task and head) as histograms. On resume, the lines after the checkpoint's step are dropped
 (they will be recomputed) and TensorBoard is opened with ``purge_step`` for the same reason.
 """
@@ -80,8 +82,11 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [row for _, row in read_jsonl(run_dir / METRICS, error=CheckpointError)[0]]
 
 
-def plot_msr(rows: list[dict[str, Any]], out: Path, targets: dict[str, tuple[float, float]]) -> Path:
-    """MSR per task over steps (with each task's target band) and λ1 per task, as a PNG."""
+def plot_msr(
+    rows: list[dict[str, Any]], out: Path, targets: dict[str, tuple[float, float]], *, key: str = "msr"
+) -> Path:
+    """MSR per task over steps (with each task's target band) and λ1 per task, as a PNG; ``key="cost"``:
+    the expected cost per task instead (``train.constraint: cost``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,14 +96,19 @@ def plot_msr(rows: list[dict[str, Any]], out: Path, targets: dict[str, tuple[flo
     steps = [r["step"] for r in rows]
     for i, label in enumerate(targets):
         color = f"C{i % 10}"
-        pts = [(r["step"], r["msr"][label]) for r in rows if r["msr"].get(label) is not None]
+        pts = [(r["step"], r[key][label]) for r in rows if r.get(key, {}).get(label) is not None]
         if pts:
             ax.plot(*zip(*pts), label=label, color=color)
         lo, hi = targets[label]
         ax.axhspan(lo - 0.002, hi + 0.002, color=color, alpha=0.12)
         bx.plot(steps, [r["lambda1"][label] for r in rows], label=f"{label} λ1", color=color)
         bx.plot(steps, [r["lambda2"][label] for r in rows], color=color, linestyle="--")
-    ax.set(xlabel="step", ylabel="MSR (batch mean)", title="Model sparsity ratio per task", ylim=(-0.02, 1.02))
+    if key == "cost":
+        top = max([hi for _, hi in targets.values()] + [v for r in rows for v in r.get(key, {}).values() if v is not None])
+        ax.set(xlabel="step", ylabel="expected cost (batch mean)", title="Expected cost per task (full attention = 1)",
+               ylim=(-0.02, max(1.02, top + 0.02)))
+    else:
+        ax.set(xlabel="step", ylabel="MSR (batch mean)", title="Model sparsity ratio per task", ylim=(-0.02, 1.02))
     ax.legend(fontsize=8)
     bx.set(xlabel="step", ylabel="multiplier", title="Lagrange multipliers (λ1 solid, λ2 dashed)")
     bx.legend(fontsize=8)

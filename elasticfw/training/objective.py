@@ -13,6 +13,17 @@ moves λ1 *in the direction of d*. When the MSR is below its target (d < 0) λ1 
 the term λ1·d then rewards raising the MSR (its derivative in MSR, λ1 + 2 λ2 d, becomes more
 negative); above the target the opposite. λ2's gradient d² ≥ 0 only ever raises it, tightening
 the quadratic well around the target.
+
+The same Lagrangian constrains the *expected cost* instead of the MSR (``train.constraint: cost``,
+which training among K >= 3 modes needs): per sample
+
+    C = mean over routed (layer, KV head) of sum_k m_k · cost_k,     d = C − t_cost
+
+with m the router's straight-through one-hot (the MSR term's own decisions: forward the hard
+routing, backward the relaxed probabilities) and cost_k mode k's relative cost at the sample's
+prompt length (:class:`~elasticfw.attention.mode.ModeCosts`; full attention 1). For two modes C is
+``cost_0 + (cost_1 − cost_0) · MSR``. The sign convention is the MSR's: above its target (too
+dear) λ1 rises and the penalty's slope in C turns positive, so minimising lowers the cost.
 """
 
 from __future__ import annotations
@@ -51,7 +62,8 @@ class Lagrangian(nn.Module):
         self.lambda2 = nn.Parameter(torch.full((len(targets),), float(init)))
 
     def penalty(self, msr: torch.Tensor, task: torch.Tensor) -> torch.Tensor:
-        """(B,) λ1[k]·d + λ2[k]·d² of each sample (``task`` (B,) int: its task index k)."""
+        """(B,) λ1[k]·d + λ2[k]·d² of each sample (``task`` (B,) int: its task index k). ``msr`` is the
+        constrained quantity: the MSR, or the expected cost under ``train.constraint: cost``."""
         task = task.to(self.lo.device)
         msr = msr.float().to(self.lo.device)
         gap = constraint_gap(msr, self.lo[task], self.hi[task])

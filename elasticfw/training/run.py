@@ -8,7 +8,9 @@ and full attention on every task's held-back samples.
             checkpoints/            resumable state (--resume)
             metrics.jsonl           one line per step;  tensorboard/  TensorBoard logs
             msr.png                 MSR per task and the Lagrange multipliers over the steps
-        summary.json                per router and task: MSR, accuracy, full attention's accuracy
+            cost.png                under train.constraint: cost, instead of msr.png: the expected cost per task
+        summary.json                per router and task: MSR, accuracy, full attention's accuracy (K >= 3
+                                    modes or train.constraint: cost: also the expected cost and mode shares)
 """
 
 from __future__ import annotations
@@ -51,10 +53,18 @@ def build_mixture(recipe: Any, tokenizer: Any, model: Any, registry: Registry) -
             raise TrainingError(
                 f"train.tasks.{index} ({label!r}): no sparsity target: set its `target` or train.targets.{category}"
             )
+        cost_target = None
+        if settings.constraint == "cost":
+            cost_target = entry.cost_target if entry.cost_target is not None else settings.cost_targets.get(category)
+            if cost_target is None:
+                raise TrainingError(
+                    f"train.tasks.{index} ({label!r}): train.constraint = 'cost' and no cost target; expected its "
+                    f"`cost_target` or train.cost_targets.{category} (a relative cost, full attention = 1)"
+                )
         samples = samples_from_dataset(task_dataset(task, tokenizer, seed=recipe.seed, split="train"))
         items = encode_targets(task, samples, tokenizer, index, label)
         check_items(label, items, context_window(model))
-        mixture.append(MixtureTask(label, task, category, target, entry.weight, items))
+        mixture.append(MixtureTask(label, task, category, target, entry.weight, items, cost_target))
     return mixture
 
 
@@ -146,7 +156,8 @@ def run_training(
             dist.barrier()
         for t in mixture:
             lengths = [it.length for it in t.items]
-            _say(f"task {t.label!r} ({t.category}, target {t.target}): {len(t.items)} training samples, "
+            goal = f"cost target {t.cost_target}" if recipe.train.constraint == "cost" else f"target {t.target}"
+            _say(f"task {t.label!r} ({t.category}, {goal}): {len(t.items)} training samples, "
                  f"{min(lengths)}-{max(lengths)} tokens")
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         results: dict[str, TrainResult | Path] = {}

@@ -3,7 +3,8 @@
 Each step: the global batch of the step (a deterministic draw from the task mixture) is split
 over processes and micro-batches; every micro-batch runs the elastic model in training mode
 (every head computes both modes, mixed by the router's straight-through decision), the loss is
-``CE(target tokens) / global target tokens + Σ penalty(MSR_i) / global batch`` (plus
+``CE(target tokens) / global target tokens + Σ penalty(MSR_i) / global batch`` (the expected cost
+C_i instead of MSR_i under ``train.constraint: cost``; plus
 ``train.logit_penalty`` times the mean logit spread, when set), and after the
 last micro-batch the router takes an AdamW step (warm-up + cosine) and the Lagrange multipliers
 an Adam step of gradient *ascent*. Only router parameters and multipliers change: the backbone
@@ -23,6 +24,7 @@ import torch
 
 from elasticfw.errors import CheckpointError, TrainingError, UnsupportedInputError
 from elasticfw.routing.gumbel import sample_noise
+from elasticfw.training.cost import StepCost, check_cost_targets, mode_labels, reports_cost
 from elasticfw.training.data import MixtureTask, collate, shard, step_slots
 from elasticfw.training.diagnostics import GradientSplit, StepRouting, decision_probabilities, logit_spread
 from elasticfw.training.distributed import DistContext
@@ -123,7 +125,16 @@ def train_router(
             f"train.batch_size ({settings.batch_size}) must split into {world} process(es) x whole micro-batches of "
             f"train.micro_batch_size ({settings.micro_batch_size})"
         )
-    lagrangian = Lagrangian([t.target for t in mixture], settings.lambda_init).to(device)
+    constraint = settings.constraint
+    heads = elastic.heads
+    if heads.num_modes > 2 and constraint != "cost":
+        raise UnsupportedInputError(
+            f"train.constraint = {constraint!r} with {heads.num_modes} modes: the MSR counts the heads not in mode 0 "
+            "and cannot tell the other modes apart; expected train.constraint: cost with train.cost_targets"
+        )
+    if constraint == "cost":
+        check_cost_targets(elastic.costs, mixture)
+    lagrangian = Lagrangian([t.constrained_target(constraint) for t in mixture], settings.lambda_init).to(device)
     groups = router_groups(elastic.router, params, settings.lr_scale)
     optimizer = torch.optim.AdamW(
         [{"params": ps, "lr": settings.router_lr * settings.lr_scale.get(name, 1.0), "name": name}
@@ -149,12 +160,13 @@ def train_router(
         run_dir.mkdir(parents=True, exist_ok=True)
     log = MetricsLog(run_dir, resume_step=start if resume else None) if dist.is_main else None
     labels = [t.label for t in mixture]
+    with_cost = reports_cost(heads.num_modes, constraint)
+    modes = mode_labels([m.name for m in elastic.modes])
     bar = None
     if progress and dist.is_main:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=settings.steps, initial=start, desc=f"train {elastic.router.name}", unit="step")
-    heads = elastic.heads
     elastic.train()
     last: dict[str, Any] = {}
     try:
@@ -170,13 +182,16 @@ def train_router(
                 # per task: msr sum, gap sum, count; then ce sum, penalty sum, tokens
                 stats = torch.zeros(len(mixture) * 3 + 4, dtype=torch.float64, device=device)
                 routing = StepRouting(len(mixture), heads.num_routed, heads.num_kv_heads, device)
+                costs = StepCost(len(mixture), heads.num_modes, device) if with_cost else None
                 every = settings.diagnostics_every
                 split = GradientSplit(groups) if every and (step + 1) % every == 0 else None
                 chunks = [mine[i : i + settings.micro_batch_size] for i in range(0, len(mine), settings.micro_batch_size)]
                 for j, chunk in enumerate(chunks):
-                    batch = collate([mixture[s.task].items[s.item] for s in chunk], pad_id).to(device)
+                    items = [mixture[s.task].items[s.item] for s in chunk]
+                    batch = collate(items, pad_id).to(device)
                     elastic.router.set_noise(
-                        sample_noise([s.noise_seed for s in chunk], heads.num_routed, heads.num_kv_heads, device)
+                        sample_noise([s.noise_seed for s in chunk], heads.num_routed, heads.num_kv_heads, device,
+                                     modes=heads.num_modes)
                     )
                     elastic.runtime.route_lengths = batch.route_lengths
                     sync = contextlib.nullcontext()
@@ -193,7 +208,14 @@ def train_router(
                             )
                         ce = answer_cross_entropy(out.logits, batch.labels)
                         msr = elastic.msr()
-                        penalty = lagrangian.penalty(msr, batch.task)
+                        constrained = msr
+                        if costs is not None:
+                            shares = elastic.mode_shares()
+                            table = elastic.costs.table([len(it.prompt) for it in items])  # at the prompt lengths
+                            cost = (shares * table.to(shares.device, shares.dtype)).sum(-1)
+                            if constraint == "cost":
+                                constrained = cost
+                        penalty = lagrangian.penalty(constrained, batch.task)
                         terms = {"penalty": penalty.sum() / settings.batch_size}
                         spread = logit_spread(elastic) if settings.logit_penalty else None
                         if spread is not None:
@@ -204,7 +226,9 @@ def train_router(
                         loss = ce / target_tokens + sum(terms.values())
                         (loss * world).backward()
                     with torch.no_grad():
-                        gap = lagrangian.gap(msr, batch.task)
+                        gap = lagrangian.gap(constrained, batch.task)
+                        if costs is not None:
+                            costs.add(cost, shares, batch.task)
                         n = len(mixture)
                         stats.index_add_(0, batch.task, msr.detach().double())
                         stats.index_add_(0, batch.task + n, gap.double())
@@ -219,6 +243,8 @@ def train_router(
                             routing.add(prob, batch.task)
                 dist.all_reduce_(stats)
                 dist.all_reduce_(routing.stats)
+                if costs is not None:
+                    dist.all_reduce_(costs.stats)
                 for p in lagrangian.parameters():
                     if p.grad is not None:
                         dist.all_reduce_(p.grad).div_(world)
@@ -247,6 +273,8 @@ def train_router(
                 elapsed = time.perf_counter() - t0
                 last = _row(step + 1, stats, mixture, lagrangian, lm_loss, reg_loss, lr, grad_norm, elastic, elapsed)
                 last.update(routing.row(labels))
+                if costs is not None:
+                    last.update(costs.row(labels, modes))
                 if settings.logit_penalty:
                     last["logit_spread"] = float(stats[3 * len(mixture) + 3]) / settings.batch_size
                 if parts is not None:
@@ -255,8 +283,9 @@ def train_router(
                     log.write(last)
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(lm=f"{lm_loss:.3f}", reg=f"{reg_loss:.3f}",
-                                    msr="/".join(f"{last['msr'][x]:.2f}" if last["msr"][x] is not None else "-" for x in labels))
+                    shown = "cost" if constraint == "cost" else "msr"
+                    bar.set_postfix({"lm": f"{lm_loss:.3f}", "reg": f"{reg_loss:.3f}", shown: "/".join(
+                        f"{last[shown][x]:.2f}" if last[shown][x] is not None else "-" for x in labels)})
                 done = step + 1
                 if done % settings.checkpoint_every == 0 or done == settings.steps:
                     if dist.is_main:
@@ -278,7 +307,9 @@ def train_router(
     if dist.is_main:
         elastic.save_adapter(adapter, overwrite=True)  # atomic; a resumed run replaces its adapter
         rows = read_metrics(run_dir)
-        if rows:
+        if rows and constraint == "cost":
+            plot_msr(rows, run_dir / "cost.png", {t.label: target_bounds(t.cost_target) for t in mixture}, key="cost")
+        elif rows:
             plot_msr(rows, run_dir / "msr.png", {t.label: target_bounds(t.target) for t in mixture})
     dist.barrier()
     return TrainResult(run_dir, adapter, settings.steps, last)
@@ -340,7 +371,8 @@ def _save(run_dir, step, elastic, lagrangian, optimizer, lambda_opt, scheduler, 
         "lambda_opt": l_meta,
         "scheduler": scheduler.state_dict() | {"lr_lambdas": None},
         "tasks": [t.label for t in mixture],
-        "targets": [list(target_bounds(t.target)) for t in mixture],
+        "targets": [list(target_bounds(t.constrained_target(settings.constraint))) for t in mixture],
+        **({"constraint": settings.constraint} if settings.constraint != "msr" else {}),
         "steps": settings.steps,
         "batch_size": settings.batch_size,
         "seed": seed,
@@ -363,10 +395,16 @@ def _restore(run_dir, elastic, lagrangian, optimizer, lambda_opt, scheduler, mix
                 f"--resume: checkpoint {ckpt} was trained with {key}={meta[key]}, the recipe now has {now}; the "
                 "steps' samples and the schedule would differ (start a new run, or resume with the old value)"
             )
-    if meta.get("tasks") != labels or meta.get("targets") != [list(target_bounds(t.target)) for t in mixture]:
+    targets = [list(target_bounds(t.constrained_target(settings.constraint))) for t in mixture]
+    if meta.get("constraint", "msr") != settings.constraint:
+        raise CheckpointError(
+            f"--resume: checkpoint {ckpt} was trained with train.constraint = {meta.get('constraint', 'msr')!r}, the "
+            f"recipe now has {settings.constraint!r}; start a new run, or resume with the old constraint"
+        )
+    if meta.get("tasks") != labels or meta.get("targets") != targets:
         raise CheckpointError(
             f"--resume: checkpoint {ckpt} was trained on tasks {meta.get('tasks')} with targets {meta.get('targets')}; "
-            f"the recipe now has {labels} with {[list(target_bounds(t.target)) for t in mixture]}"
+            f"the recipe now has {labels} with {targets}"
         )
     saved = read_adapter_config(ckpt)
     if saved.get("elastic", {}).get("router", {}).get("name") != elastic.router.name:
