@@ -221,3 +221,33 @@ def test_generate_with_cache_equals_without_among_three_modes():
         uncached = elastic.generate(use_cache=False, **kwargs)
     assert torch.equal(cached, uncached)
     assert elastic.runtime.records[0].mode_index.tolist() == [[1, 2], [1, 2]]
+
+
+def test_split_runs_the_full_heads_of_a_three_mode_layer_through_its_dense_kernel(monkeypatch):
+    """``split`` takes a K-mode layer's dense causal heads apart (``attend_modes`` hands them to
+    ``attend_routed`` as the first group): its dense kernel sees exactly the full KV head's query
+    heads, and every head still equals its own mode alone (the masks by SDPA)."""
+    model = tiny_model("llama", num_hidden_layers=2)
+    router = {"name": "fixed", "assign": "mode_heads", "head_modes": [[0, 1, 2], [1, 0, 1], [1, 1, 2]]}
+    elastic = ElasticModel(model, section(router, executor={"name": "split"}))
+    executor = elastic.runtime.executor
+    dense_heads: list[int] = []
+    real_dense = type(executor).dense
+
+    def dense(self, q, k, v, **kw):
+        dense_heads.append(q.shape[1])
+        return real_dense(self, q, k, v, **kw)
+
+    monkeypatch.setattr(type(executor), "dense", dense)
+    seen = capture(elastic, model)
+    ids, mask = padded_batch([64, 64], seed=4)
+    with torch.no_grad():
+        elastic(input_ids=ids, attention_mask=mask)
+    assert dense_heads == [3]  # layer 0: KV head 0 full (3 query heads); layer 1 has no full head
+    configs = elastic.elastic_config.mode_configs()
+    for layer, modes in enumerate([[0, 2], [1, 2]]):
+        can, scale = seen["can"][layer]
+        outs = mode_outputs(can, scale, configs)
+        got = seen["out"][layer].view(2, 64, 6, 16).transpose(1, 2)
+        for h in range(6):
+            assert torch.allclose(got[:, h], outs[modes[h // 3]][:, h], atol=1e-5), (layer, h)

@@ -335,7 +335,10 @@ def attend_modes(
     """Every query head in its mode among K: ``index`` (B, Hq) int64 is each head's position in
     ``modes`` (whose layouts are ``layouts``). One executor call over the per-head combination of the
     layouts of the modes some head is in (:func:`routed_layout` folded over them, at the smallest
-    block size); a mode's side branch is merged into its own heads by log-sum-exp. ``index_host``:
+    block size); where some heads' layouts are dense causal and others not (and the block sizes
+    agree), that call is :meth:`Executor.attend_routed` with the dense heads as its first group, so an
+    executor may run them through a dense kernel. A mode's side branch is merged into its own heads
+    by log-sum-exp. ``index_host``:
     ``index`` on the CPU, when the caller has it (otherwise it is read once from the device)."""
     if index.shape != q.shape[:2]:
         raise UnsupportedInputError(
@@ -352,11 +355,26 @@ def attend_modes(
         extra = modes[i].side_branch(q, k, v, seq, scale=scale)
         if extra is not None:
             extras.append((extra, index == i))
-    layout = layouts[present[0]]
-    if not all(layouts[i].dense_causal for i in present):  # (all dense: the same pairs, one dense call)
-        for i in present[1:]:
-            layout = routed_layout(index == i, (layout, layouts[i]), seq)
-    result = executor.attend(q, k, v, layout, seq, scale=scale, need_lse=bool(extras))
+    dense = [i for i in present if layouts[i].dense_causal]
+    sparse = [i for i in present if not layouts[i].dense_causal]
+    if dense and sparse and len({layouts[i].block_size for i in present}) == 1:
+        # the dense heads apart from the others: an executor that runs dense causal heads through a
+        # dense kernel (``split``) does so; by default the same one launch over the combined layout
+        rest = layouts[sparse[0]]
+        for i in sparse[1:]:
+            rest = routed_layout(index == i, (rest, layouts[i]), seq)
+        chosen = torch.tensor(sparse, device=index.device)
+        hard = torch.isin(index, chosen)
+        host = {"hard_host": torch.isin(on_host, chosen.cpu())} if executor.takes_host_routing else {}
+        result = executor.attend_routed(
+            q, k, v, seq, hard=hard, layouts=(layouts[dense[0]], rest), scale=scale, need_lse=bool(extras), **host
+        )
+    else:
+        layout = layouts[present[0]]
+        if sparse:  # (all dense: the same pairs, one dense call)
+            for i in present[1:]:
+                layout = routed_layout(index == i, (layout, layouts[i]), seq)
+        result = executor.attend(q, k, v, layout, seq, scale=scale, need_lse=bool(extras))
     for extra, heads in extras:
         merged = merge_lse(result, extra)
         assert merged.lse is not None and result.lse is not None  # merge_lse raised unless both were set
