@@ -7,7 +7,8 @@ and the run folder. A recipe with ``compare:`` and ``eval:`` but no ``sweep:`` s
 
 Every sample becomes one row of ``RUN/rows.jsonl`` (see :mod:`elasticfw.eval.rows`), appended as
 its batch finishes: score, MSR, ESR, the routing decision of every KV head, the prefill time and
-tokens. ``--resume`` skips every sample already there; a variant or cell that raises is written to
+tokens; with K >= 3 modes also each head's mode, the share of heads per mode and the expected
+cost. ``--resume`` skips every sample already there; a variant or cell that raises is written to
 ``RUN/failures.jsonl`` and the others go on (``sweep.on_error: stop`` stops instead). At the end
 the report (tables, figures, HTML) is built from the rows (:mod:`elasticfw.report`).
 
@@ -104,6 +105,9 @@ def _row(cell: Cell, index: int, category: str, task: Task, sample: Sample, r: A
         "batch_prefill_seconds": r.batch_prefill_seconds, "batch_size": r.batch_size, "batch_tokens": r.batch_tokens,
         "generate_seconds": r.generate_seconds, "completion": r.completion, "answer": sample.answer,
         "attempt": attempt,
+        # K >= 3 modes: each head's mode, the share of heads per mode and the expected cost (two-mode rows
+        # keep their keys: their decisions say it all)
+        **({"modes": r.modes, "shares": r.shares, "cost": r.cost} if r.modes is not None else {}),
     }
 
 

@@ -19,11 +19,12 @@ from elasticfw.atomic import atomic_write_text
 from elasticfw.errors import ElasticError
 from elasticfw.eval.rows import repair_rows
 from elasticfw.eval.sweep_plan import Plan
+from elasticfw.training.cost import mode_labels
 from elasticfw.training.distributed import DistContext
 
 META, ROWS, FAILURES = "sweep.json", "rows.jsonl", "failures.jsonl"
 #: what a sweep writes into its folder (and --overwrite removes); anything else there is not ours
-OWNED = (META, ROWS, FAILURES, "table.md", "table.csv", "cells.csv", "report.html", "figures")
+OWNED = (META, ROWS, FAILURES, "table.md", "table.csv", "cells.csv", "modes.csv", "report.html", "figures")
 
 
 class SweepError(ElasticError):
@@ -144,8 +145,9 @@ def _variant_rows(plan: Plan) -> list[dict[str, Any]]:
         row = {"label": v.label, "adapter": v.adapter, "router": elastic["router"]["name"],
                "retrieval_mode": modes[0]["name"], "sparse_mode": modes[-1]["name"],
                "executor": elastic["executor"]["name"]}
-        if len(modes) > 2:
+        if len(modes) > 2:  # the whole list, and the labels of the rows' per-mode shares
             row["modes"] = "-".join(m["name"] for m in modes)
+            row["mode_labels"] = mode_labels([m["name"] for m in modes])
         rows.append(row)
     return rows
 

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from elasticfw.report.aggregate import Run, TableRow, TaskInfo, length_label
+from elasticfw.report.modes import LEGEND as MODES_LEGEND
+from elasticfw.report.modes import ModeCell, share_columns, table_headers, table_values
 from elasticfw.report.plots import caption
 from elasticfw.report.routing import RoutingSummary
 from elasticfw.report.tables import LEGEND, block_title, blocks, row_values, table_columns
@@ -92,9 +94,12 @@ def _provenance(run: Run) -> str:
             title = "Environment" if len(attempts) == 1 else f"Environment of attempt {i} (rows carry `attempt`)"
             out += [f"<h3>{_e(title)}</h3>", _table(["key", "value"], facts_i)]
     variant_fields = ["label", "adapter", "router", "retrieval_mode", "sparse_mode", "executor"]
-    variants = [
-        [v.get(f) if v.get(f) is not None else "—" for f in variant_fields] for v in meta.get("variants", [])
-    ]
+    entries = meta.get("variants", [])
+    if any(v.get("modes") for v in entries):  # some variant routes among K >= 3 modes: name every list whole
+        variant_fields = ["label", "adapter", "router", "modes", "executor"]
+        entries = [v if v.get("modes") or v.get("retrieval_mode") is None or v.get("sparse_mode") is None
+                   else {**v, "modes": f"{v['retrieval_mode']}-{v['sparse_mode']}"} for v in entries]
+    variants = [[v.get(f) if v.get(f) is not None else "—" for f in variant_fields] for v in entries]
     if variants:
         out += ["<h3>Variants</h3>", _table(variant_fields, variants)]
     tasks = [[t.label, t.task, t.category, t.metric] for t in run.tasks]
@@ -194,6 +199,15 @@ def _routing(summaries: Sequence[RoutingSummary]) -> str:
             "categories.</p>" + _table(headers, body))
 
 
+def _modes(cells: Sequence[ModeCell]) -> str:
+    if not cells:
+        return ""
+    columns = share_columns(cells)
+    return ("<h2>Mode shares and expected cost (variants with K >= 3 modes)</h2>"
+            f'<p class="note">{_e(MODES_LEGEND)}</p>'
+            + _table(table_headers(columns), [table_values(c, columns) for c in cells]))
+
+
 def render_html(
     run: Run,
     rows: Sequence[TableRow],
@@ -202,9 +216,11 @@ def render_html(
     notes: Sequence[str] = (),
     title: str | None = None,
     routing: Sequence[RoutingSummary] = (),
+    modes: Sequence[ModeCell] = (),
 ) -> str:
     """The whole page. ``figures`` are the written figure files (PNGs are inlined, SVGs ignored);
-    ``notes`` are shown above them (e.g. why a figure was skipped)."""
+    ``notes`` are shown above them (e.g. why a figure was skipped); ``modes``: the mode shares and
+    expected costs of the variants with K >= 3 modes (none: no such section)."""
     title = title or f"Sweep report: {run.path.name}"
     tasks = run.tasks
     parts = [
@@ -215,6 +231,7 @@ def render_html(
         _status(run),
         _provenance(run),
         _results(rows, tasks),
+        _modes(modes),
         _routing(routing),
         _failures(run),
         _figures(figures, notes),

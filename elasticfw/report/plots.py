@@ -10,6 +10,9 @@
 * ``heads_<variant>``: for a variant whose rows carry routing decisions, the fraction of samples
   that route each (layer, KV head) to the retrieval mode (full attention in FA-* variants), one panel
   per task, sensitive tasks first (paper Fig. 6).
+* ``mode_shares``: for the variants that route among K >= 3 modes, the mean share of heads in each
+  mode per task (every length pooled), one stacked bar per (variant, task), labelled with its mean
+  expected cost.
 
 Figures are drawn on :class:`matplotlib.figure.Figure` objects directly, not through pyplot, so no
 display backend is needed and the caller's pyplot state and backend are left alone.
@@ -31,6 +34,7 @@ from matplotlib.figure import Figure
 
 from elasticfw.report.aggregate import Cell, Run, cells, length_label
 from elasticfw.report.errors import ReportError
+from elasticfw.report.modes import ModeCell, mode_cells, share_columns
 from elasticfw.report.runfile import CATEGORIES
 
 CAPTIONS = {
@@ -40,6 +44,9 @@ CAPTIONS = {
     "variant on each task, every length pooled; 0 = every head in the retrieval mode (e.g. full attention).",
     "pareto": "Each variant's mean prefill speed-up against the reference (x) and mean score over its cells "
     "(y); ringed points form the Pareto front (no other variant is both faster and better), drawn as a step line.",
+    "mode_shares": "Variants with K >= 3 modes: mean share of routed (layer, KV head) in each mode per task, every "
+    "length pooled, one stacked bar per variant and task; the number after each bar is its mean expected cost "
+    "(full attention = 1).",
     "heads": "Fraction of samples that route each KV head (x) of each routed layer (y) to the retrieval mode "
     "(full attention in FA-* variants, e.g. XAttention in XA-SSA), per task category; bright = mostly retrieval "
     "mode, dark = mostly the sparse mode.",
@@ -263,6 +270,25 @@ def head_panels(groups: dict[str, list[np.ndarray]], layer_ids: Sequence[int] | 
     return fig
 
 
+def _mode_shares(pooled: Sequence[ModeCell]) -> Figure:
+    columns = share_columns(pooled)
+    fig = Figure(figsize=(7.0, 1.0 + 0.32 * len(pooled)), layout="constrained")
+    ax = fig.subplots()
+    ys = list(range(len(pooled)))[::-1]
+    left = [0.0] * len(pooled)
+    for k, mode in enumerate(columns):
+        widths = [c.shares.get(mode, 0.0) for c in pooled]
+        ax.barh(ys, widths, left=left, color=f"C{k % 10}", label=_text(mode))
+        left = [a + b for a, b in zip(left, widths)]
+    for y, c in zip(ys, pooled):
+        ax.text(1.01, y, f"{c.cost:.3f}", va="center", fontsize=8)
+    ax.set_yticks(ys, [_text(f"{c.variant} · {c.task}") for c in pooled], fontsize=8)
+    ax.set(xlabel="share of routed heads (number: mean expected cost)", xlim=(0, 1.1),
+           title="Mode shares per task")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return fig
+
+
 def write_figures(run: Run, out_dir: Path, *, confidence: float = 0.95) -> list[Path]:
     """Draw every figure of ``run`` into ``out_dir`` (created); the PNG and SVG paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -276,6 +302,9 @@ def write_figures(run: Run, out_dir: Path, *, confidence: float = 0.95) -> list[
     written += _save(_msr_per_task(run, pooled, colors), out_dir, "msr_per_task")
     if run.reference is not None and pareto_skip_reason(run.reference, per_length) is None:
         written += _save(_pareto(variant_points(per_length), run.reference, colors), out_dir, "pareto")
+    shares = mode_cells(run.rows, run.variants, run.meta.get("variants", []), pool_lengths=True)
+    if shares:
+        written += _save(_mode_shares(shares), out_dir, "mode_shares")
     used: set[str] = set()
     for variant in run.variants:
         routed = [r for r in run.rows if r["variant"] == variant and r.get("decisions")]

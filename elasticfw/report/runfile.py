@@ -56,6 +56,11 @@ OPTIONAL: dict[str, _Check] = {
     "esr_last_layer": (lambda v: v is None or _is_number(v), "a number or null"),
     "decisions": (lambda v: v is None or isinstance(v, list), "a list (layers × KV heads of 0/1) or null"),
     "routed_layers": (lambda v: v is None or isinstance(v, list), "a list of layer indices or null"),
+    # K >= 3 modes: each head's mode, the share of heads per mode, the routing's expected cost
+    "modes": (lambda v: v is None or isinstance(v, list), "a list (layers × KV heads of mode indices) or null"),
+    "shares": (lambda v: v is None or (isinstance(v, list) and all(_finite_nonneg(x) for x in v)),
+               "a list of finite non-negative numbers (one share per mode) or null"),
+    "cost": (lambda v: v is None or _finite_nonneg(v), "a finite non-negative number or null"),
 }
 FAILURE_REQUIRED: dict[str, _Check] = {
     "variant": (lambda v: isinstance(v, str), "a string"),
