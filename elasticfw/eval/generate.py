@@ -140,7 +140,7 @@ def generate_batch(
     modes = routing.mode_index.tolist() if routing is not None and routing.mode_index is not None else None
     shares = costs = None
     if routing is not None:
-        shares = routing.mode_shares()
+        shares = routing.mode_shares().cpu().double()  # (B, K) beside the costs table (float64, CPU)
         costs = (shares * elastic.costs.table([len(s.input_ids) for s in batch])).sum(-1).tolist()
     batch_tokens = sum(len(s.input_ids) for s in batch)
     results = []

@@ -11,6 +11,7 @@ from elasticfw.eval.generate import evaluate
 from elasticfw.model.checkpoint import load_adapter
 from elasticfw.provenance import environment
 from elasticfw.registry import Registry
+from elasticfw.report.stats import mean_interval
 from elasticfw.training.cost import cost_summary, mode_labels, reports_cost
 from elasticfw.training.data import MixtureTask
 from elasticfw.training.objective import target_bounds
@@ -102,6 +103,9 @@ def summary_dict(recipe: Any, mixture: list[MixtureTask], evals: dict[str, Any],
                 "accuracy": r["accuracy"],
                 "full_accuracy": f.get("accuracy"),
                 "samples": r["samples"],
+                **score_intervals(
+                    [row["score"] for row in r["per_sample"]], [row["score"] for row in f.get("per_sample", [])]
+                ),
             }
             costed = [row for row in r["per_sample"] if row.get("cost") is not None]
             if costed:
@@ -177,6 +181,21 @@ def write_routing_figures(evals: dict[str, Any], mixture: list[MixtureTask], roo
         heads_figure(rows, label).savefig(out, dpi=110)
         written.append(out)
     return written
+
+
+def score_intervals(scores: list[float], full_scores: list[float]) -> dict[str, Any]:
+    """The score's 95 % interval (``ci``) and, when full attention scored the same samples in the
+    same order, the paired difference to it (``diff_to_full``, the mean of the per-sample
+    differences) with its 95 % interval (``diff_ci``); both by
+    :func:`~elasticfw.report.stats.mean_interval` (Wilson for 0/1 values, else Student-t)."""
+    if not scores:
+        return {}
+    ci = mean_interval(scores)
+    out: dict[str, Any] = {"ci": [ci.lo, ci.hi]}
+    if len(full_scores) == len(scores):
+        diff = mean_interval([a - b for a, b in zip(scores, full_scores)])
+        out.update(diff_to_full=diff.mean, diff_ci=[diff.lo, diff.hi])
+    return out
 
 
 def msr_spread(values: list[float]) -> dict[str, float]:
