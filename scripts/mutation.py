@@ -305,6 +305,11 @@ def recheck(args: argparse.Namespace) -> None:
 def _git_diff(diff: str, rel: str) -> str:
     """Cosmic Ray's unified diff (absolute paths in its headers) with ``a/rel`` / ``b/rel`` headers."""
     body = [ln for ln in diff.splitlines() if not ln.startswith(("--- ", "+++ "))]
+    # a mutant on a file's last line: Cosmic Ray's diff ends with a blank context line past the end
+    # of the file (its split of the final newline), which git apply refuses; a hunk's trailing blank
+    # context lines are dropped (less context, the same change)
+    while body and body[-1] in ("", " "):
+        body.pop()
     return "\n".join([f"--- a/{rel}", f"+++ b/{rel}", *body]) + "\n"
 
 

@@ -234,6 +234,23 @@ def test_length_range_keeps_a_bucket(tmp_path: Path, tok: PreTrainedTokenizerFas
         validate_recipe_data({"eval": {"task": {"name": "dataset", "length_range": [5, 5]}}})
 
 
+def test_length_range_is_half_open(tmp_path: Path, tok: PreTrainedTokenizerFast) -> None:
+    # [40, 100): a record of length 40 is in, one of 100 is out (as are 39 and 101)
+    rows = [record(i, words=w) for i, w in enumerate([39, 40, 99, 100, 101])]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    task = DatasetTask(DatasetTaskConfig(path=str(path), num_samples=2, length_range=[40, 100], eval_fraction=0.99))
+    assert sorted(s.meta["length"] for s in task.samples(tok, seed=0)) == [40, 99]
+    with pytest.raises(UnsupportedInputError, match="within length_range"):
+        DatasetTask(DatasetTaskConfig(path=str(path), num_samples=3, length_range=[40, 100],
+                                      eval_fraction=0.99)).samples(tok, seed=0)
+
+
+def test_a_split_name_may_be_one_character_but_not_empty() -> None:
+    assert DatasetTaskConfig(path="x.jsonl", split="a").split == "a"
+    with pytest.raises(RecipeError, match="eval.task.split"):
+        validate_recipe_data({"eval": {"task": {"name": "dataset", "path": "x.jsonl", "split": ""}}})
+
+
 @pytest.mark.parametrize(
     ("content", "config", "error"),
     [

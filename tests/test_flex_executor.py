@@ -425,6 +425,39 @@ def test_compiled_path_recompiles_only_for_new_buckets(monkeypatch):
     assert frames == [1, 1, 1, 2, 3, 3]
 
 
+def test_compiled_path_pads_queries_and_keys_to_their_length_bucket(monkeypatch):
+    """Compiled calls pad queries and keys to one of ``bucket_steps_per_octave`` (8) lengths per power
+    of two, so near lengths share a kernel: 300 tokens at kernel block 16 are 19 blocks (304), in the
+    octave (256, 512] whose 8 buckets lie 32 apart: 320; 310 tokens (20 blocks) pad to 320 as well.
+    The rows kept are the reference's."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    padded = []
+
+    def fake_compiled(dynamic, mode):  # PyTorch's uncompiled flex_attention, recording its shapes
+        def run(q, k, v, **kwargs):
+            padded.append((q.shape[2], k.shape[2]))
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+                return flex_attention(q, k, v, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(flex_module, "_compiled_flex", fake_compiled)
+    ex = FlexExecutor(FlexConfig(implementation="compiled", kernel_block_size=16))
+    for length in (300, 310):
+        seq = SeqInfo.dense(1, length, length)
+        q, k, v = _inputs(1, 2, 1, seq)
+        with torch.no_grad():
+            got = ex.attend(q, k, v, causal_layout(seq, 16), seq, scale=0.3)
+            ref = _reference().attend(q, k, v, causal_layout(seq, 16), seq, scale=0.3)
+        assert got.out.shape == q.shape and rel_rms(got.out, ref.out) < 2e-5
+        assert torch.allclose(got.lse, ref.lse, atol=1e-5)
+    assert padded == [(320, 320), (320, 320)]
+
+
 def test_dynamo_fails_loudly_past_the_limit():
     """The two Dynamo settings the compiled path relies on do what the policy says."""
     torch._dynamo.reset()

@@ -97,5 +97,7 @@ def test_exact_costs_equal_the_pairs_of_the_modes_own_layout(section, length):
 
 def test_causal_density_needs_a_query():
     assert causal_density(torch.tensor([1.0, 2.0])) == 1.0
+    assert causal_density(torch.tensor([1.0])) == 1.0  # one query, its one key: 1 of 1 causal pair
+    assert causal_density(torch.tensor([1.0, 1.0])) == 2 / 3  # the second query skips key 0
     with pytest.raises(ValueError, match="at least one"):
         causal_density(torch.zeros(0))

@@ -157,6 +157,31 @@ def test_pool_blocks_matches_loops(reduce):
                     assert float(got[b, h, i, j]) == pytest.approx(want, abs=1e-5)
 
 
+def test_pool_blocks_on_two_and_three_dimensions_by_hand():
+    """(..., R, C) with any leading shape: a 2 x 4 grid in 2 x 2 cells, then a batch of it."""
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]])
+    valid = torch.tensor([[True, False, True, True], [True, True, False, False]])
+    # cell 0 keeps 1, 5, 6 (mean 4), cell 1 keeps 3, 4 (mean 3.5)
+    assert pool_blocks(x, (2, 2), "mean", valid).tolist() == [[4.0, 3.5]]
+    assert pool_blocks(x, (2, 2), "sum", valid).tolist() == [[12.0, 7.0]]
+    assert pool_blocks(x, (2, 2), "max", valid).tolist() == [[6.0, 4.0]]
+    # 3 rows in cells of 2: the second row of cells holds one real row (9, 10 | 11, 12)
+    x3 = torch.stack([torch.cat([x, torch.tensor([[9.0, 10.0, 11.0, 12.0]])]), torch.zeros(3, 4)])
+    assert pool_blocks(x3, (2, 2), "mean").tolist() == [[[3.5, 5.5], [9.5, 11.5]], [[0.0, 0.0], [0.0, 0.0]]]
+    assert pool_blocks(x3, (2, 2), "mean", x3 > 4).tolist() == [[[5.5, 7.5], [9.5, 11.5]], [[0.0, 0.0], [0.0, 0.0]]]
+
+
+def test_query_grid_rows_of_a_tile_not_a_power_of_two():
+    """10 queries from position 0 in tiles of 3, layout rows 1..3: grid rows 0-6 are queries 3-9, rows
+    7 and 8 (positions 10, 11 of the last tile) padding."""
+    seq = SeqInfo.dense(1, 10, 10)
+    q = torch.arange(1.0, 11.0).view(1, 1, 10, 1)
+    grid, valid = query_grid(q, seq, 3, rows=(1, 4))
+    assert grid.shape == (1, 1, 9, 1)
+    assert grid.flatten().tolist() == [4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 0.0, 0.0]
+    assert valid.tolist() == [[True] * 7 + [False] * 2]
+
+
 @pytest.mark.parametrize("name", list(SEQS))
 def test_query_grid_and_pool_tiles_match_positions(name):
     seq, bs = SEQS[name](), 8

@@ -146,6 +146,19 @@ def test_lines_to_layout_shared_heads_and_errors():
         lines_to_layout(seq, 8, columns=columns, diagonals=torch.zeros(1, 2, 45, dtype=torch.bool))
 
 
+def test_lines_to_layout_columns_shared_by_the_batch_with_their_own_heads():
+    """Columns of shape (1, H, Sk) with H != batch: one selection per head, shared by both samples."""
+    seq = SEQS["padded"]()
+    columns = torch.zeros(1, 3, 45, dtype=torch.bool)
+    columns[0, 0, [0, 7]] = True
+    columns[0, 1, 30] = True
+    columns[0, 2, 16:24] = True  # head 2: key block 2 whole
+    layout = lines_to_layout(seq, 8, columns=columns)
+    assert layout.num_heads == 3
+    _check_exact(layout, seq, _lines_definition(seq, columns, None).expand(2, 3, -1, -1), 3)
+    assert torch.equal(layout.blocks, _blocks_crossed(seq, columns, None, 8))
+
+
 # -- key blocks and per-row selections --------------------------------------------------------------
 
 

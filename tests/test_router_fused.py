@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.bench import router as router_bench
-from elasticfw.errors import BackendUnavailableError
+from elasticfw.errors import BackendUnavailableError, UnsupportedInputError
 from elasticfw.routing.base import HeadLayout, RouterDecision
 from elasticfw_plugins.routers import mlp_fused
 from elasticfw_plugins.routers.mlp import MLPRouter, MLPRouterConfig
@@ -249,6 +249,22 @@ def test_pinned_kernel_pools_padded_and_short_inputs_eagerly(spy):
     short = make_keys(2, 2, 12, 32)  # Sk < 2 x pool_tokens: the windows overlap
     check(router.decide(0, short, dense(2, 12)), definition(router, 0, short, ends(12, 8, 2)), FP32)
     assert spy == {"fused_decide": 0, "fused_mlp": 2}
+
+
+def test_fused_decide_refuses_keys_shorter_than_two_pools():
+    """Called directly, the kernel's entry refuses keys it cannot pool on its fast path (fewer than
+    2 x pool_tokens of them, or not 4-D) with the named error; exactly 2 x pool_tokens keys (the two
+    windows meet) it pools like the definition."""
+    router = make_router(32, 2, 8, seed=5)
+    params = router.layers[0].kernel_params()
+    with pytest.raises(UnsupportedInputError, match=r"Sk >= 2 x pool_tokens = 16, got shape \(1, 2, 15, 32\)"):
+        mlp_fused.fused_decide(params, make_keys(1, 2, 15, 32), 8)
+    with pytest.raises(UnsupportedInputError, match=r"got shape \(2, 40, 32\)"):
+        mlp_fused.fused_decide(params, make_keys(1, 2, 40, 32)[0], 8)
+    keys = make_keys(2, 2, 16, 32)
+    hard, prob, logits = mlp_fused.fused_decide(params, keys, 8)
+    check(RouterDecision(sparse=hard, prob_sparse=prob, logits=logits), definition(router, 0, keys, ends(16, 8, 2)),
+          FP32)
 
 
 def test_auto_and_eager_keep_the_eager_path_on_cpu(spy, monkeypatch):

@@ -240,6 +240,32 @@ def test_needle_spans_decode_to_the_needles(tokenizer: Any, name: str) -> None:
             assert sorted(distractors + spanned) == sorted(needles_in(name, text))
 
 
+def test_multikey_meta_names_the_asked_key_and_only_the_others_as_distractors(tokenizer: Any) -> None:
+    # the keys read from the prompt: the question's one, and the other needles' (the distractors)
+    for sample in make("niah_multikey", num_samples=3, context_tokens=600, num_keys=4).samples(tokenizer, seed=0):
+        text = decode(tokenizer, sample.input_ids)
+        asked = re.findall(r"[a-z]+-[a-z]+", question_of(text).split(" for ", 1)[1])
+        needle_keys = [key for key, _ in NIAH_NEEDLE.findall(text)]
+        assert [sample.meta["key"]] == asked and len(needle_keys) == 4
+        assert sorted(sample.meta["distractor_keys"]) == sorted(k for k in needle_keys if k != asked[0])
+
+
+@pytest.mark.parametrize("name", CORPUS_TASKS)
+def test_haystack_length_is_corrected_to_two_percent(tokenizer: Any, name: str) -> None:
+    # the haystack is re-drawn until the prompt is within 2% of context_tokens (the +-10% contract is
+    # the bound beyond which a sample is an error)
+    context_tokens = 1200
+    for sample in make(name, num_samples=4, context_tokens=context_tokens).samples(tokenizer, seed=5):
+        assert abs(len(sample.input_ids) - context_tokens) <= 0.02 * context_tokens
+
+
+def test_multivalue_needs_two_values() -> None:
+    # several needles share the key: one value is refused, two are the fewest
+    with pytest.raises(ValidationError, match="greater than or equal to 2"):
+        config_class("niah_multivalue")(num_values=1)
+    assert config_class("niah_multivalue")(num_values=2).num_values == 2
+
+
 @pytest.mark.parametrize("name", TASKS)
 @pytest.mark.parametrize("context_tokens", [300, 1200])
 def test_prompt_length_within_ten_percent(tokenizer: Any, name: str, context_tokens: int) -> None:

@@ -10,6 +10,7 @@ whose vocabulary and merges are written out here), never by another path of the 
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from elasticfw.errors import UnsupportedInputError
 from elasticfw_plugins.tasks.code_completion import TokenizedFile
 from elasticfw_plugins.tasks.dataset import DatasetTask, DatasetTaskConfig, read_local
 from elasticfw_plugins.tasks.passkey import PasskeyConfig, PasskeyTask
+from elasticfw_plugins.tasks.ruler import number
 from elasticfw_plugins.tasks.summary import documented_functions
 
 # -- code_completion: TokenizedFile.window_start ---------------------------------------------------
@@ -52,6 +54,14 @@ def test_window_start_stays_at_the_token_when_no_line_start_is_within_five_perce
     assert tf.window_start(60, 61) is None
 
 
+def test_window_start_never_snaps_to_a_line_start_at_the_window_end() -> None:
+    # "abc\nd": line starts 0 and 4. One token before character 4 starts at 3 (the newline); the
+    # line start 0 is 3 tokens away, beyond max(1, 1 // 20) = 1, and the line start 4 is 1 token
+    # away but is the window's end: a window starting there would hold no token. It stays at 3.
+    tf = char_tokens("abc\nd")
+    assert tf.window_start(4, 1) == 3
+
+
 # -- dataset: reading local files -------------------------------------------------------------------
 
 
@@ -63,6 +73,22 @@ def test_not_utf8_error_quotes_the_offending_bytes(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedInputError) as info:
         read_local(path, "jsonl")
     assert "not UTF-8 text (byte 5, line 2: b'\\xe9fg\\n'); convert the file to UTF-8" in str(info.value)
+
+
+def test_unreadable_parquet_files_are_named(tmp_path: Path) -> None:
+    # a file cut short (pyarrow: ArrowInvalid) and one whose footer metadata is zeroed with the
+    # magic bytes and the footer length intact (pyarrow cannot deserialise it: OSError)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"x": [1, 2, 3]}), path)
+    data = path.read_bytes()
+    footer = int.from_bytes(data[-8:-4], "little")
+    for broken in (data[: len(data) // 2], data[: -8 - footer] + bytes(footer) + data[-8:]):
+        path.write_bytes(broken)
+        with pytest.raises(UnsupportedInputError, match="d.parquet: not a readable Parquet file"):
+            read_local(path, "parquet")
 
 
 # -- dataset: the middle cut when tokens merge across the template / context border ---------------
@@ -136,6 +162,59 @@ def test_passkey_depth_zero_puts_the_needle_first_and_depth_one_last() -> None:
     assert text.endswith(FILLER + needle.format(key=last.answer) + question)  # right before the question
 
 
+def test_passkey_default_depths_spread_evenly_from_a_tenth_to_nine_tenths() -> None:
+    # no depths given: num_samples needles evenly spaced over [0.1, 0.9] (5 samples: 0.1, 0.3, 0.5,
+    # 0.7, 0.9); each needle has round(depth * fillers) of the prompt's filler sentences before it
+    tok = filler_tokenizer()
+    needle = "The pass key is {key}. Remember it. {key} is the pass key. "
+    samples = PasskeyTask(PasskeyConfig(num_samples=5, context_tokens=512, chat_template=False)).samples(tok, seed=0)
+    expected = [0.1, 0.3, 0.5, 0.7, 0.9]
+    assert [s.meta["depth"] for s in samples] == pytest.approx(expected)
+    for sample, depth in zip(samples, expected, strict=True):
+        before, after = tok.decode(sample.input_ids).split(needle.format(key=sample.answer))
+        fillers = before.count(FILLER) + after.count(FILLER)
+        assert fillers >= 10 and before.count(FILLER) == round(depth * fillers)
+    # one sample: the first depth of the spread
+    (one,) = PasskeyTask(PasskeyConfig(num_samples=1, context_tokens=256, chat_template=False)).samples(tok, seed=0)
+    assert one.meta["depth"] == pytest.approx(0.1)
+
+
+def test_passkey_keys_spread_over_every_number_of_the_asked_digits() -> None:
+    # 5 digits: keys uniform over 10000..99999; 200 keys reach both ends of the range (each 5%
+    # stretch is missed by all 200 draws with probability 0.95 ** 200, about 4e-5)
+    tok = filler_tokenizer()
+    task = PasskeyTask(PasskeyConfig(num_samples=200, context_tokens=128, digits=5, chat_template=False))
+    keys = [int(s.answer) for s in task.samples(tok, seed=0)]
+    assert all(10000 <= k <= 99999 for k in keys)
+    assert min(keys) < 10000 + 4500 and max(keys) > 99999 - 4500
+
+
+def test_passkey_score_is_one_only_for_the_key_itself() -> None:
+    # the first number of the completion must be the key: a smaller or larger number, a number
+    # before the key, or none at all scores 0
+    tok = filler_tokenizer()
+    (sample,) = PasskeyTask(PasskeyConfig(num_samples=1, context_tokens=256, chat_template=False)).samples(tok, seed=0)
+    task, key = PasskeyTask(PasskeyConfig()), int(sample.answer)
+    assert task.score(sample, f" {key}.") == 1.0
+    for wrong in (f" {key - 1}.", f" {key + 1}.", f" 7, then {key}", " I do not know."):
+        assert task.score(sample, wrong) == 0.0, wrong
+
+
+# -- ruler: numbers of exactly the asked digits --------------------------------------------------
+
+
+@pytest.mark.parametrize("digits", [1, 2, 3, 7])
+def test_ruler_numbers_have_exactly_the_asked_digits(digits: int) -> None:
+    # 1,000 draws: every one a decimal of `digits` digits without a leading zero (1-9 for one
+    # digit, 10-99 for two, ...), and both halves of the range drawn
+    rng = random.Random(0)
+    draws = [number(digits)(rng) for _ in range(1000)]
+    assert all(len(d) == digits and d.isdigit() and (d[0] != "0") for d in draws)
+    values = [int(d) for d in draws]
+    middle = (10 ** (digits - 1) + 10**digits) // 2
+    assert min(values) < middle <= max(values)
+
+
 # -- summary: the docstring body kept after removing the summary ------------------------------------
 
 
@@ -161,6 +240,21 @@ def test_may_hold_counts_a_token_per_byte_at_most() -> None:
     # a token covers at least one UTF-8 byte: 3 bytes may hold 3 tokens, not 4; "é" is 2 bytes
     assert code_completion.may_hold("abc", 3) and not code_completion.may_hold("abc", 4)
     assert code_completion.may_hold("é", 2) and not code_completion.may_hold("é", 3)
+
+
+def test_corpus_files_leave_out_excluded_directories_at_any_depth(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # test suites, config-* folders and the other excluded directories are left out wherever they
+    # sit (ctypes/test, idlelib/idle_test), as are the removed top-level modules; a module named
+    # like an excluded directory (pkg/test.py) is kept
+    for rel in ["os.py", "json/__init__.py", "json/decoder.py", "pkg/test.py", "test/test_os.py",
+                "ctypes/test/test_loading.py", "idlelib/idle_test/test_run.py", "config-3.11-x86_64/makesetup.py",
+                "pkg/config-x/conf.py", "pkg/site-packages/mod.py", "asyncore.py", "_sysconfigdata_x.py"]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x = 1\n")
+    monkeypatch.setattr(code_completion, "stdlib_root", lambda: tmp_path)
+    assert code_completion.stdlib_files() == ("json/__init__.py", "json/decoder.py", "os.py", "pkg/test.py")
 
 
 def test_a_line_holding_two_statements_is_never_an_answer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
