@@ -12,7 +12,7 @@ from elasticfw.model.checkpoint import load_adapter
 from elasticfw.provenance import environment
 from elasticfw.registry import Registry
 from elasticfw.report.stats import mean_interval
-from elasticfw.training.cost import cost_summary, mode_labels, reports_cost
+from elasticfw.training.cost import cost_summary, mode_labels, reports_cost, spread
 from elasticfw.training.data import MixtureTask
 from elasticfw.training.objective import target_bounds
 
@@ -200,14 +200,7 @@ def score_intervals(scores: list[float], full_scores: list[float]) -> dict[str, 
 
 def msr_spread(values: list[float]) -> dict[str, float]:
     """The per-sample MSR's spread: standard deviation (population), minimum and maximum."""
-    if not values:
-        return {}
-    mean = sum(values) / len(values)
-    return {
-        "msr_std": (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5,
-        "msr_min": min(values),
-        "msr_max": max(values),
-    }
+    return spread(values, "msr")
 
 
 def _means(tasks: dict[str, Any]) -> dict[str, Any]:
