@@ -85,7 +85,9 @@ def main() -> int:
             for name, detail in compare["details"].items():
                 other = [s["score"] for s in detail[label]["per_sample"]]
                 # the other router's score minus this one's, paired sample by sample
-                row[f"{name}_minus_this"] = score_intervals(other, scores)
+                paired = score_intervals(other, scores)
+                row[f"{name}_minus_this"] = {"score_ci": paired["ci"], "diff": paired["diff_to_full"],
+                                             "diff_ci": paired["diff_ci"]}
         tasks[label] = row
         print(f"{label}: score {row['accuracy']:.3f} {row['ci']} MSR {row['msr']:.3f}", flush=True)
     out = {"adapter": str(args.adapter), "recipe": str(args.recipe), "msr_asked": args.msr, "msr": reached,
