@@ -57,7 +57,6 @@ def test_three_modes_keep_their_order_and_round_trip_through_a_dump():
          ["modes and retrieval_mode and sparse_mode are both given"]),
         ({"modes": [FULL, MOBA, {**STREAM, "block_size": 24, "sink_tokens": 24, "local_tokens": 48}]},
          ["modes.0.block_size=16 and modes.2.block_size=24 must divide one another"]),
-        ({"modes": [FULL, MOBA, STREAM], "kv_cache": "compact"}, ["kv_cache = 'compact' with 3 modes"]),
         ({"modes": [FULL, {"name": "nope"}]}, ["elastic.modes.1"]),
     ],
 )
