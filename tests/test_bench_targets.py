@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from file_modules import load_script
 
 from elasticfw.bench.targets import FIGURES, build_targets, write_targets
 
@@ -235,15 +236,8 @@ def test_a_router_run_of_decide_alone_gives_no_router_figure():
 
 
 def _bench_targets_tool():
-    import importlib.util
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_targets.py"
-    spec = importlib.util.spec_from_file_location("bench_targets_tool", path)
-    assert spec is not None and spec.loader is not None
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
+    return load_script("bench_targets", "bench_targets_tool")
 
 
 def test_the_tools_targets_step_prints_a_run_without_attention_rows(tmp_path, capsys):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from file_modules import load_script
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import elasticfw
@@ -271,13 +272,8 @@ def test_compact_decode_reads_nothing_from_the_device(device_reads):
 def test_decode_host_timing_tool_writes_its_figures(tmp_path):
     """``scripts/decode_host_timing.py`` (run on a GPU by a session) runs every piece and writes one
     row of host and host+GPU microseconds per piece with the environment; bad sizes are refused."""
-    import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "decode_host_timing.py"
-    spec = importlib.util.spec_from_file_location("decode_host_timing", path)
-    assert spec is not None and spec.loader is not None
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_script("decode_host_timing")
     out = tmp_path / "host.json"
     assert tool.main(["--device", "cpu", "--tokens", "64", "--calls", "1", "--warmup", "0", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
@@ -294,13 +290,8 @@ def test_decode_host_timing_tool_writes_its_figures(tmp_path):
 def test_decode_host_timing_tool_refuses_a_cpu_without_the_interpreter(monkeypatch, capsys):
     """``--no-launch`` on a CPU still runs the kernel's host code, which asks for Triton on the
     device: without ``TRITON_INTERPRET=1`` the tool says so before timing (it used to fail mid-run)."""
-    import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "decode_host_timing.py"
-    spec = importlib.util.spec_from_file_location("decode_host_timing", path)
-    assert spec is not None and spec.loader is not None
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_script("decode_host_timing")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(SystemExit):
         tool.main(["--device", "cpu", "--no-launch", "--tokens", "64", "--calls", "1"])
@@ -312,15 +303,10 @@ def test_decode_host_timing_tool_refuses_a_cpu_without_the_interpreter(monkeypat
 def test_decode_host_timing_tool_times_the_kernel_at_each_split_count(tmp_path, monkeypatch):
     """``--splits N ...`` adds one piece per N that calls the decode kernel with ``splits=N`` (and
     the default piece with none); a count below 1 is refused before anything runs."""
-    import importlib.util
 
     from elasticfw.kernels import decode_attention as da
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "decode_host_timing.py"
-    spec = importlib.util.spec_from_file_location("decode_host_timing", path)
-    assert spec is not None and spec.loader is not None
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_script("decode_host_timing")
     seen = []
     real = da.decode_attention
 
@@ -345,15 +331,10 @@ def test_decode_host_timing_no_launch_times_the_host_code_and_restores_the_kerne
     """``--no-launch`` runs every piece with the decode kernel's two launches replaced by no-ops (none
     of them reaches the real kernels), reports blocks' median and fastest host times, and puts the
     real kernels back afterwards, also when a piece raises."""
-    import importlib.util
 
     from elasticfw.kernels import decode_attention as da
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "decode_host_timing.py"
-    spec = importlib.util.spec_from_file_location("decode_host_timing", path)
-    assert spec is not None and spec.loader is not None
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_script("decode_host_timing")
     real = da._decode_split_kernel, da._merge_kernel
     out = tmp_path / "host.json"
     launched = []

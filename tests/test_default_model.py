@@ -5,6 +5,7 @@ needle in the middle, full attention vs all heads streaming vs retrieval-score h
 from __future__ import annotations
 
 import pytest
+from file_modules import load_script
 
 from elasticfw.eval.generate import evaluate
 from elasticfw.model.loading import load_model, make_elastic
@@ -84,9 +85,7 @@ def test_demo_cpu_times_every_sparse_mode_and_short_contexts_answer_as_full(tmp_
     tokens, the generation settings) returns the first one's result instead of generating again
     (greedy decoding gives the same tokens; a round that built another section or took other
     samples would still be evaluated). The model is the fixture's, loaded once for this module."""
-    import importlib.util
     import json
-    from pathlib import Path
 
     import elasticfw.eval.generate as generate_module
     import elasticfw.model.loading as loading_module
@@ -110,11 +109,7 @@ def test_demo_cpu_times_every_sparse_mode_and_short_contexts_answer_as_full(tmp_
 
     monkeypatch.setattr(loading_module, "load_model", loaded)
     monkeypatch.setattr(generate_module, "evaluate", evaluate_once)
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_targets.py"
-    spec = importlib.util.spec_from_file_location("bench_targets", path)
-    assert spec is not None and spec.loader is not None
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_script("bench_targets")
     args = ["demo-cpu", "--out", str(tmp_path), "--samples", "1", "--rounds", "1", "--modes", "nsa", "moba"]
     assert tool.main(args) == 0
     report = json.loads((tmp_path / "demo_cpu.json").read_text())

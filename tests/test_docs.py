@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import os
 import re
 import subprocess
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from example_packages import install_example, listed_modes, run_example_tests
+from file_modules import load_file
 
 from elasticfw.recipe import load_recipe
 
@@ -53,11 +53,7 @@ def run(args: list[str], *, cwd: Path, pythonpath: Path | None = None, timeout: 
 
 
 def _generator():
-    spec = importlib.util.spec_from_file_location("generate_reference", DOCS / "generate_reference.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file(DOCS / "generate_reference.py", "generate_reference")
 
 
 def test_reference_pages_are_up_to_date() -> None:

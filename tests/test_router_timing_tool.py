@@ -3,12 +3,12 @@ launch and the kernel (run on a GPU by a session; here on the CPU under Triton's
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from file_modules import load_script
 
 from elasticfw.kernels import triton_unavailable
 
@@ -21,10 +21,7 @@ pytestmark = pytest.mark.skipif(
 
 def _tool(monkeypatch):
     monkeypatch.syspath_prepend(str(SCRIPTS))  # as when run as a script: it imports decode_host_timing
-    spec = importlib.util.spec_from_file_location("router_timing", SCRIPTS / "router_timing.py")
-    assert spec is not None and spec.loader is not None
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_script("router_timing")
     return tool
 
 

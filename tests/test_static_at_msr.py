@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from file_modules import load_script
 from safetensors.torch import save_file
-
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
 def tool():
-    spec = importlib.util.spec_from_file_location("static_at_msr", SCRIPTS / "static_at_msr.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("static_at_msr")
 
 
 def adapter(tmp_path: Path, p_sparse: list[list[float]], router: str = "static", layers=(2, 5)) -> Path:

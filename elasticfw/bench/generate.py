@@ -404,14 +404,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     for shape in args.model:
         bench_model(shape, args, device, report, write)
         free_memory(device)  # the model of this shape is gone
-    png = plot(report, args.plot or args.out.with_suffix(".png"))
-    report["plot"] = str(png) if png else None
-    report["complete"] = True
-    write()
-    print(f"[generate] wrote {args.out}" + (f" and {png}" if png else "") + f"; {len(report['failures'])} failure(s)")
-    for line in report["failures"]:
-        print(f"[generate] FAILED {line}", file=sys.stderr)
-    return 1 if report["failures"] else 0
+    return timing.finish_report(report, args, write, plot, "generate")
 
 
 if __name__ == "__main__":

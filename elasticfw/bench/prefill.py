@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from elasticfw.atomic import atomic_write_text
+from elasticfw.bench.timing import finish_report
 from elasticfw.provenance import environment
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -410,14 +411,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
 
     for shape in args.model:
         bench_model(shape, args, device, report, write)
-    png = plot(report, args.plot or args.out.with_suffix(".png"))
-    report["plot"] = str(png) if png else None
-    report["complete"] = True
-    write()
-    print(f"[prefill] wrote {args.out}" + (f" and {png}" if png else "") + f"; {len(report['failures'])} failure(s)")
-    for line in report["failures"]:
-        print(f"[prefill] FAILED {line}", file=sys.stderr)
-    return 1 if report["failures"] else 0
+    return finish_report(report, args, write, plot, "prefill")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -166,3 +167,19 @@ def make_executor(name: str, **config: Any) -> Any:
     third-party code does (the core never imports the built-in plugins)."""
     registry = get_registry()
     return registry.make("executor", registry.entry("executor", name).config_class(**config))  # type: ignore[misc]
+
+
+def finish_report(
+    report: dict[str, Any], args: argparse.Namespace, write: Callable[[], None], plot: Callable[..., Any], tag: str
+) -> int:
+    """The end of a model-level benchmark run (:mod:`elasticfw.bench.prefill`, :mod:`~elasticfw.bench.generate`):
+    its plot beside ``--out`` (or at ``--plot``), ``complete`` set and the JSON written a last time by
+    ``write``, a summary line; the exit status, 1 when some variant failed."""
+    png = plot(report, args.plot or args.out.with_suffix(".png"))
+    report["plot"] = str(png) if png else None
+    report["complete"] = True
+    write()
+    print(f"[{tag}] wrote {args.out}" + (f" and {png}" if png else "") + f"; {len(report['failures'])} failure(s)")
+    for line in report["failures"]:
+        print(f"[{tag}] FAILED {line}", file=sys.stderr)
+    return 1 if report["failures"] else 0
