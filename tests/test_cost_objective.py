@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from training_helpers import TINY_ELASTIC, ByteTokenizer, tiny_train_recipe, training_registry
+from training_helpers import TINY_ELASTIC, ByteTokenizer, route_items, tiny_train_recipe, training_registry
 
 from elasticfw.errors import CheckpointError, RecipeError, UnsupportedInputError
 from elasticfw.model.elastic import ElasticModel
@@ -22,7 +22,6 @@ from elasticfw.model.loading import make_elastic
 from elasticfw.recipe import validate_recipe_data
 from elasticfw.routing.gumbel import sample_noise
 from elasticfw.testing.models import padded_batch, tiny_model
-from elasticfw.training.data import collate
 from elasticfw.training.evaluate import format_summary
 from elasticfw.training.inspect import format_inspection, inspect_adapter
 from elasticfw.training.logs import read_metrics
@@ -216,12 +215,7 @@ def _noise_free_cost(elastic, mixture):
     elastic.eval()
     out = {}
     for task in mixture:
-        batch = collate(task.items[:8], 0)
-        elastic.runtime.route_lengths = batch.route_lengths
-        with torch.no_grad():
-            elastic(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                    position_ids=(batch.attention_mask.cumsum(-1) - 1).clamp_min(0), use_cache=False)
-        elastic.runtime.route_lengths = None
+        route_items(elastic, task.items[:8])
         probs = torch.stack([torch.softmax(elastic.runtime.decisions[layer].logits.detach().float(), -1)
                              for layer in elastic.heads.routed_layers], dim=1)
         out[task.label] = float((probs * COSTS).sum(-1).mean())

@@ -20,12 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from training_helpers import TINY_ELASTIC, ByteTokenizer, tiny_train_recipe, training_registry
+from training_helpers import TINY_ELASTIC, ByteTokenizer, route_items, tiny_train_recipe, training_registry
 
 from elasticfw.model.loading import make_elastic
 from elasticfw.recipe import validate_recipe_data
 from elasticfw.testing.models import tiny_model
-from elasticfw.training.data import collate
 from elasticfw.training.run import build_mixture
 from elasticfw.training.trainer import train_router
 
@@ -69,12 +68,7 @@ def _train_and_route(tmp_path: Path, router: dict) -> dict[str, list[float]]:
     elastic.eval()
     out = {}
     for task in mixture:
-        batch = collate(task.items[:16], 0)
-        elastic.runtime.route_lengths = batch.route_lengths
-        with torch.no_grad():
-            elastic(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                    position_ids=(batch.attention_mask.cumsum(-1) - 1).clamp_min(0), use_cache=False)
-        elastic.runtime.route_lengths = None
+        route_items(elastic, task.items[:16])
         out[task.label] = elastic.routing.msr.tolist()
     return out
 

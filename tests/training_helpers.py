@@ -170,3 +170,21 @@ def tiny_train_recipe(tmp_dir: Any, **train: Any) -> dict[str, Any]:
     }
     settings.update(train)
     return {"model": {"name": "tiny-llama", "device": "cpu"}, "elastic": TINY_ELASTIC, "train": settings}
+
+
+def route_items(elastic: Any, items: list[Any]) -> None:
+    """One no-grad forward of training items (``task.items``) as the trainer collates them, routing
+    each prompt by its own length; the routing is then in ``elastic.runtime.decisions`` and
+    ``elastic.routing``."""
+    import torch
+
+    from elasticfw.training.data import collate
+
+    batch = collate(items, 0)
+    elastic.runtime.route_lengths = batch.route_lengths
+    try:
+        with torch.no_grad():
+            elastic(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                    position_ids=(batch.attention_mask.cumsum(-1) - 1).clamp_min(0), use_cache=False)
+    finally:
+        elastic.runtime.route_lengths = None
