@@ -15,6 +15,7 @@ from pydantic import ValidationInfo
 
 from elasticfw.attention.mode import ModeCosts
 from elasticfw.registry import Registry, get_registry
+from elasticfw.training.cost import mode_labels
 
 #: an example of the cost targets, for the messages
 _EXAMPLE = "{sensitive: 0.6, robust: 0.45}"
@@ -28,6 +29,7 @@ def check_train_objective(recipe: Any, info: ValidationInfo) -> Any:
     elastic = recipe.elastic
     k, names = elastic.num_modes, ", ".join(m.name for m in elastic.mode_configs())
     given = [i for i, entry in enumerate(train.tasks) if entry.cost_target is not None]
+    _check_share_targets(train.share_targets, [m.name for m in elastic.mode_configs()])
     if train.constraint == "msr":
         if k > 2:
             raise ValueError(
@@ -71,3 +73,23 @@ def check_train_objective(recipe: Any, info: ValidationInfo) -> Any:
                 "`cost` overrides its estimate)"
             )
     return recipe
+
+
+def _check_share_targets(share_targets: dict[str, dict[str, Any]], names: list[str]) -> None:
+    """Share targets name modes of ``elastic.modes`` (by :func:`~elasticfw.training.cost.mode_labels`),
+    and where they list every mode their upper bounds leave room for all heads."""
+    labels = mode_labels(names)
+    for category, targets in share_targets.items():
+        unknown = sorted(set(targets) - set(labels))
+        if unknown:
+            raise ValueError(
+                f"train.share_targets.{category} names {unknown}, which are not modes of elastic.modes; expected "
+                f"some of {labels}"
+            )
+        if set(targets) == set(labels):
+            highs = sum(t if isinstance(t, (int, float)) else t[1] for t in targets.values())
+            if highs < 1.0 - 1e-9:
+                raise ValueError(
+                    f"train.share_targets.{category} lists every mode, and their upper bounds add up to {highs:.4g}, "
+                    "below 1; expected shares that can account for every head"
+                )

@@ -113,6 +113,13 @@ class TrainSettings(BaseModel):
         "attention = 1) between the cheapest and the dearest mode's, or an interval [lo, hi]; a task entry's "
         "`cost_target` overrides it.",
     )
+    share_targets: dict[Literal["sensitive", "robust"], dict[str, Target]] = Field(
+        default_factory=dict,
+        description="Per task category, a target share of heads for some of the modes, by their name in "
+        "elastic.modes (e.g. {sensitive: {full: [0.2, 1.0]}, robust: {streaming: [0.5, 1.0]}}): a share in [0, 1] "
+        "or an interval. Each listed (task, mode) gets its own Lagrange multipliers, beside the MSR or cost "
+        "constraint; modes not listed are free.",
+    )
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="auto: bf16 autocast on CUDA, fp32 elsewhere."
     )
@@ -149,6 +156,21 @@ class TrainSettings(BaseModel):
                 raise ValueError(f"{category} = {target!r}: {exc}") from None
         return value
 
+    @field_validator("share_targets")
+    @classmethod
+    def _share_targets(cls, value: dict[str, dict[str, Target]]) -> dict[str, dict[str, Target]]:
+        for category, targets in value.items():
+            for mode, target in targets.items():
+                try:
+                    check_target(target)
+                except ValueError as exc:
+                    raise ValueError(f"{category}.{mode} = {target!r}: a share of heads; {exc}") from None
+            lows = sum(t if isinstance(t, (int, float)) else t[0] for t in targets.values())
+            if lows > 1.0 + 1e-9:
+                raise ValueError(f"{category}: the lower bounds of the share targets add up to {lows:.4g}, above 1; "
+                                 "expected shares that can hold together")
+        return value
+
     @field_validator("lr_scale")
     @classmethod
     def _lr_scale(cls, value: dict[str, float]) -> dict[str, float]:
@@ -159,12 +181,14 @@ class TrainSettings(BaseModel):
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: Any) -> Any:
-        """The cost objective's fields are left out of dumps while unused: a section that does not set
+        """The cost objective's and the share targets' fields are left out of dumps while unused: a section that does not set
         them dumps (and hashes) as before."""
         data = handler(self)
         if isinstance(data, dict) and data.get("constraint") == "msr" and not data.get("cost_targets"):
             data.pop("constraint", None)
             data.pop("cost_targets", None)
+        if isinstance(data, dict) and not data.get("share_targets"):
+            data.pop("share_targets", None)
         return data
 
     @model_validator(mode="after")

@@ -4,8 +4,9 @@ Each step: the global batch of the step (a deterministic draw from the task mixt
 over processes and micro-batches; every micro-batch runs the elastic model in training mode
 (every head computes both modes, mixed by the router's straight-through decision), the loss is
 ``CE(target tokens) / global target tokens + Σ penalty(MSR_i) / global batch`` (the expected cost
-C_i instead of MSR_i under ``train.constraint: cost``; plus
-``train.logit_penalty`` times the mean logit spread, when set), and after the
+C_i instead of MSR_i under ``train.constraint: cost``; plus the per-mode share penalties of
+``train.share_targets`` (:mod:`elasticfw.training.shares`) and ``train.logit_penalty`` times the
+mean logit spread, when set), and after the
 last micro-batch the router takes an AdamW step (warm-up + cosine) and the Lagrange multipliers
 an Adam step of gradient *ascent*. Only router parameters and multipliers change: the backbone
 is frozen and :func:`train_router` checks it is bit-identical at the end.
@@ -30,6 +31,7 @@ from elasticfw.training.diagnostics import GradientSplit, StepRouting, decision_
 from elasticfw.training.distributed import DistContext
 from elasticfw.training.logs import MetricsLog, plot_msr, read_metrics
 from elasticfw.training.objective import Lagrangian, answer_cross_entropy, target_bounds
+from elasticfw.training.shares import ShareConstraint, share_constraint
 from elasticfw.training.state import (
     latest_checkpoint,
     load_optimizer,
@@ -135,19 +137,24 @@ def train_router(
     if constraint == "cost":
         check_cost_targets(elastic.costs, mixture)
     lagrangian = Lagrangian([t.constrained_target(constraint) for t in mixture], settings.lambda_init).to(device)
+    modes = mode_labels([m.name for m in elastic.modes])
+    shares_c = share_constraint(settings.share_targets, mixture, modes, settings.lambda_init)
+    if shares_c is not None:
+        shares_c.to(device)
+    multipliers = [*lagrangian.parameters(), *(shares_c.parameters() if shares_c is not None else [])]
     groups = router_groups(elastic.router, params, settings.lr_scale)
     optimizer = torch.optim.AdamW(
         [{"params": ps, "lr": settings.router_lr * settings.lr_scale.get(name, 1.0), "name": name}
          for name, ps in groups.items()],
         lr=settings.router_lr, betas=settings.betas, weight_decay=settings.weight_decay,
     )
-    lambda_opt = torch.optim.Adam(lagrangian.parameters(), lr=settings.lambda_lr, maximize=True)
+    lambda_opt = torch.optim.Adam(multipliers, lr=settings.lambda_lr, maximize=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: cosine_with_warmup(s, settings.steps, settings.warmup_ratio)
     )
     start = 0
     if resume:
-        start = _restore(run_dir, elastic, lagrangian, optimizer, lambda_opt, scheduler, mixture, settings, seed)
+        start = _restore(run_dir, elastic, lagrangian, optimizer, lambda_opt, scheduler, mixture, settings, seed, shares_c)
 
     model: Any = elastic
     if dist.enabled:
@@ -160,8 +167,7 @@ def train_router(
         run_dir.mkdir(parents=True, exist_ok=True)
     log = MetricsLog(run_dir, resume_step=start if resume else None) if dist.is_main else None
     labels = [t.label for t in mixture]
-    with_cost = reports_cost(heads.num_modes, constraint)
-    modes = mode_labels([m.name for m in elastic.modes])
+    with_cost = reports_cost(heads.num_modes, constraint) or shares_c is not None
     bar = None
     if progress and dist.is_main:
         from tqdm.auto import tqdm
@@ -216,6 +222,8 @@ def train_router(
                             if constraint == "cost":
                                 constrained = cost
                         penalty = lagrangian.penalty(constrained, batch.task)
+                        if shares_c is not None:
+                            penalty = penalty + shares_c.penalty(shares, batch.task)
                         terms = {"penalty": penalty.sum() / settings.batch_size}
                         spread = logit_spread(elastic) if settings.logit_penalty else None
                         if spread is not None:
@@ -245,7 +253,7 @@ def train_router(
                 dist.all_reduce_(routing.stats)
                 if costs is not None:
                     dist.all_reduce_(costs.stats)
-                for p in lagrangian.parameters():
+                for p in multipliers:
                     if p.grad is not None:
                         dist.all_reduce_(p.grad).div_(world)
                 lm_loss = float(stats[3 * len(mixture)]) / target_tokens
@@ -275,6 +283,8 @@ def train_router(
                 last.update(routing.row(labels))
                 if costs is not None:
                     last.update(costs.row(labels, modes))
+                if shares_c is not None:
+                    last.update(shares_c.row(labels, modes))
                 if settings.logit_penalty:
                     last["logit_spread"] = float(stats[3 * len(mixture) + 3]) / settings.batch_size
                 if parts is not None:
@@ -289,7 +299,8 @@ def train_router(
                 done = step + 1
                 if done % settings.checkpoint_every == 0 or done == settings.steps:
                     if dist.is_main:
-                        _save(run_dir, done, elastic, lagrangian, optimizer, lambda_opt, scheduler, mixture, settings, seed)
+                        _save(run_dir, done, elastic, lagrangian, optimizer, lambda_opt, scheduler, mixture, settings, seed,
+                              shares_c)
                     dist.barrier()
     finally:
         elastic.router.set_noise(None)
@@ -362,10 +373,13 @@ def _row(step, stats, mixture, lagrangian, lm_loss, reg_loss, lr, grad_norm, ela
     }
 
 
-def _save(run_dir, step, elastic, lagrangian, optimizer, lambda_opt, scheduler, mixture, settings, seed) -> None:
+def _save(run_dir, step, elastic, lagrangian, optimizer, lambda_opt, scheduler, mixture, settings, seed,
+          shares: ShareConstraint | None = None) -> None:
     r_tensors, r_meta = optimizer_tensors(optimizer, "router_opt")
     l_tensors, l_meta = optimizer_tensors(lambda_opt, "lambda_opt")
     tensors = {**r_tensors, **l_tensors, "lagrangian.lambda1": lagrangian.lambda1, "lagrangian.lambda2": lagrangian.lambda2}
+    if shares is not None:
+        tensors.update({"shares.lambda1": shares.inner.lambda1, "shares.lambda2": shares.inner.lambda2})
     meta = {
         "router_opt": r_meta,
         "lambda_opt": l_meta,
@@ -373,6 +387,7 @@ def _save(run_dir, step, elastic, lagrangian, optimizer, lambda_opt, scheduler, 
         "tasks": [t.label for t in mixture],
         "targets": [list(target_bounds(t.constrained_target(settings.constraint))) for t in mixture],
         **({"constraint": settings.constraint} if settings.constraint != "msr" else {}),
+        **({"share_targets": _share_meta(shares)} if shares is not None else {}),
         "steps": settings.steps,
         "batch_size": settings.batch_size,
         "seed": seed,
@@ -380,7 +395,13 @@ def _save(run_dir, step, elastic, lagrangian, optimizer, lambda_opt, scheduler, 
     save_checkpoint(run_dir, step, elastic, tensors, meta, keep=settings.keep_checkpoints)
 
 
-def _restore(run_dir, elastic, lagrangian, optimizer, lambda_opt, scheduler, mixture, settings, seed) -> int:
+def _share_meta(shares: ShareConstraint | None) -> list[dict[str, list[float]]] | None:
+    """Each task's share targets for a checkpoint's JSON metadata: [lo, hi] by mode index (as text)."""
+    return None if shares is None else [{str(k): b for k, b in per.items()} for per in shares.bounds()]
+
+
+def _restore(run_dir, elastic, lagrangian, optimizer, lambda_opt, scheduler, mixture, settings, seed,
+             shares: ShareConstraint | None = None) -> int:
     from elasticfw.model.checkpoint import WEIGHTS, read_adapter_config
     from elasticfw.training.state import load_tensors
 
@@ -400,6 +421,11 @@ def _restore(run_dir, elastic, lagrangian, optimizer, lambda_opt, scheduler, mix
         raise CheckpointError(
             f"--resume: checkpoint {ckpt} was trained with train.constraint = {meta.get('constraint', 'msr')!r}, the "
             f"recipe now has {settings.constraint!r}; start a new run, or resume with the old constraint"
+        )
+    if meta.get("share_targets") != _share_meta(shares):
+        raise CheckpointError(
+            f"--resume: checkpoint {ckpt} was trained with share targets {meta.get('share_targets')} (task -> mode "
+            f"index -> [lo, hi]), the recipe now has {_share_meta(shares)}; start a new run, or resume with the old ones"
         )
     if meta.get("tasks") != labels or meta.get("targets") != targets:
         raise CheckpointError(
@@ -423,6 +449,9 @@ def _restore(run_dir, elastic, lagrangian, optimizer, lambda_opt, scheduler, mix
     with torch.no_grad():
         lagrangian.lambda1.copy_(tensors["lagrangian.lambda1"])
         lagrangian.lambda2.copy_(tensors["lagrangian.lambda2"])
+        if shares is not None:
+            shares.inner.lambda1.copy_(tensors["shares.lambda1"])
+            shares.inner.lambda2.copy_(tensors["shares.lambda2"])
     # (load_state_dict moves each moment to its parameter's device)
     try:
         load_optimizer(optimizer, "router_opt", tensors, meta["router_opt"])
