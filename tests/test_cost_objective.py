@@ -14,11 +14,17 @@ import math
 
 import pytest
 import torch
-from training_helpers import TINY_ELASTIC, ByteTokenizer, route_items, tiny_train_recipe, training_registry
+from training_helpers import (
+    TINY_ELASTIC,
+    ByteTokenizer,
+    route_items,
+    tiny_train_recipe,
+    tiny_training_setup,
+    training_registry,
+)
 
 from elasticfw.errors import CheckpointError, RecipeError, UnsupportedInputError
 from elasticfw.model.elastic import ElasticModel
-from elasticfw.model.loading import make_elastic
 from elasticfw.recipe import validate_recipe_data
 from elasticfw.routing.gumbel import sample_noise
 from elasticfw.testing.models import padded_batch, tiny_model
@@ -53,10 +59,7 @@ def _three_mode_data(tmp_path, cost_targets=None, router=None, context_tokens=48
 
 
 def _train(registry, data, tmp_path, model=None):
-    recipe = validate_recipe_data(data, registry=registry)
-    model, tok = model or tiny_model("llama"), ByteTokenizer()
-    mixture = build_mixture(recipe, tok, model, registry)
-    elastic = make_elastic(model, tok, recipe.elastic, registry=registry)
+    recipe, mixture, elastic = tiny_training_setup(registry, data, model)
     train_router(elastic, mixture, recipe.train, tmp_path, seed=0, pad_id=0, progress=False)
     return recipe, mixture, elastic
 
@@ -229,10 +232,7 @@ def test_three_mode_training_moves_the_expected_cost_into_its_target(registry, t
     data = _three_mode_data(tmp_path, {"sensitive": [0.35, 0.45], "robust": [0.35, 0.45]}, steps=16,
                             batch_size=4, micro_batch_size=4, router_lr=0.2, lambda_lr=0.2, warmup_ratio=0.0,
                             diagnostics_every=0, checkpoint_every=1000)
-    recipe = validate_recipe_data(data, registry=registry)
-    model, tok = tiny_model("llama"), ByteTokenizer()
-    mixture = build_mixture(recipe, tok, model, registry)
-    elastic = make_elastic(model, tok, recipe.elastic, registry=registry)
+    recipe, mixture, elastic = tiny_training_setup(registry, data)
     before = _noise_free_cost(elastic, mixture)
     assert before == pytest.approx({"recall": 0.675, "repeat": 0.675}, abs=1e-6)
     train_router(elastic, mixture, recipe.train, tmp_path, seed=0, pad_id=0, progress=False)

@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from training_helpers import ByteTokenizer, route_items, tiny_train_recipe, training_registry
+from training_helpers import (
+    ByteTokenizer,
+    route_items,
+    tiny_train_recipe,
+    tiny_training_setup,
+    training_registry,
+)
 
 from elasticfw.errors import CheckpointError, RecipeError
 from elasticfw.model.loading import make_elastic
 from elasticfw.recipe import validate_recipe_data
 from elasticfw.testing.models import tiny_model
 from elasticfw.training.logs import read_metrics
-from elasticfw.training.run import build_mixture
 from elasticfw.training.shares import ShareConstraint
 from elasticfw.training.trainer import train_router
 
@@ -111,10 +116,7 @@ def test_training_moves_the_shares_into_their_band(registry, tmp_path):
     data = _data(tmp_path, {"sensitive": {"streaming": [0.6, 1.0]}, "robust": {"streaming": [0.6, 1.0]}},
                  steps=16, batch_size=4, micro_batch_size=4, router_lr=0.2, lambda_lr=0.2, warmup_ratio=0.0,
                  diagnostics_every=0, checkpoint_every=8)
-    recipe = validate_recipe_data(data, registry=registry)
-    model, tok = tiny_model("llama"), ByteTokenizer()
-    mixture = build_mixture(recipe, tok, model, registry)
-    elastic = make_elastic(model, tok, recipe.elastic, registry=registry)
+    recipe, mixture, elastic = tiny_training_setup(registry, data)
     before = _shares_by_hand(elastic, mixture)
     assert all(s[2] == 0.0 for s in before.values()), before
     train_router(elastic, mixture, recipe.train, tmp_path, seed=0, pad_id=0, progress=False)
@@ -128,13 +130,10 @@ def test_training_moves_the_shares_into_their_band(registry, tmp_path):
 
 def test_resume_refuses_other_share_targets(registry, tmp_path):
     data = _data(tmp_path, {"robust": {"streaming": [0.6, 1.0]}}, steps=2, checkpoint_every=1)
-    recipe = validate_recipe_data(data, registry=registry)
-    model, tok = tiny_model("llama"), ByteTokenizer()
-    mixture = build_mixture(recipe, tok, model, registry)
-    elastic = make_elastic(model, tok, recipe.elastic, registry=registry)
+    recipe, mixture, elastic = tiny_training_setup(registry, data)
     train_router(elastic, mixture, recipe.train, tmp_path, seed=0, pad_id=0, progress=False)
     data["train"]["share_targets"] = {"robust": {"streaming": [0.5, 1.0]}}
     changed = validate_recipe_data(data, registry=registry)
-    elastic = make_elastic(tiny_model("llama"), tok, changed.elastic, registry=registry)
+    elastic = make_elastic(tiny_model("llama"), ByteTokenizer(), changed.elastic, registry=registry)
     with pytest.raises(CheckpointError, match=r"share targets \[\{\}, \{'2': \[0.6, 1.0\]\}\].*\[\{\}, \{'2': \[0.5, 1.0\]\}\]"):
         train_router(elastic, mixture, changed.train, tmp_path, seed=0, pad_id=0, progress=False, resume=True)

@@ -188,3 +188,17 @@ def route_items(elastic: Any, items: list[Any]) -> None:
                     position_ids=(batch.attention_mask.cumsum(-1) - 1).clamp_min(0), use_cache=False)
     finally:
         elastic.runtime.route_lengths = None
+
+
+def tiny_training_setup(registry: Any, data: dict[str, Any], model: Any = None) -> tuple[Any, list[Any], Any]:
+    """(recipe, task mixture, elastic model) of recipe ``data`` on a tiny Llama (or ``model``) with the
+    byte tokenizer, ready for ``train_router``."""
+    from elasticfw.model.loading import make_elastic
+    from elasticfw.recipe import validate_recipe_data
+    from elasticfw.testing.models import tiny_model
+    from elasticfw.training.run import build_mixture
+
+    recipe = validate_recipe_data(data, registry=registry)
+    model, tok = model or tiny_model("llama"), ByteTokenizer()
+    mixture = build_mixture(recipe, tok, model, registry)
+    return recipe, mixture, make_elastic(model, tok, recipe.elastic, registry=registry)
