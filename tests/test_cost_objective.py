@@ -15,9 +15,11 @@ import math
 import pytest
 import torch
 from training_helpers import (
+    THREE_MODES,
     TINY_ELASTIC,
     ByteTokenizer,
     route_items,
+    three_mode_train_recipe,
     tiny_train_recipe,
     tiny_training_setup,
     training_registry,
@@ -35,12 +37,6 @@ from elasticfw.training.objective import Lagrangian
 from elasticfw.training.run import build_mixture, run_training
 from elasticfw.training.trainer import train_router
 
-#: three modes for the tiny models (48-token prompts); moba's and streaming's costs given in the recipe
-THREE_MODES = [
-    {"name": "full", "block_size": 16},
-    {"name": "moba", "moba_block_size": 16, "top_k": 2, "block_size": 16, "cost": 0.5},
-    {"name": "streaming", "sink_tokens": 16, "local_tokens": 16, "block_size": 16, "cost": 0.2},
-]
 COSTS = torch.tensor([1.0, 0.5, 0.2])
 
 
@@ -50,12 +46,8 @@ def registry():
 
 
 def _three_mode_data(tmp_path, cost_targets=None, router=None, context_tokens=48, **train):
-    data = tiny_train_recipe(tmp_path, constraint="cost", **train)
-    data["train"]["cost_targets"] = cost_targets or {"sensitive": 0.6, "robust": 0.4}
-    for entry in data["train"]["tasks"]:
-        entry["task"]["context_tokens"] = context_tokens
-    data["elastic"] = {"modes": THREE_MODES, "executor": {"name": "sdpa"}, "router": router or {"name": "static"}}
-    return data
+    return three_mode_train_recipe(tmp_path, cost_targets or {"sensitive": 0.6, "robust": 0.4}, router,
+                                   context_tokens, **train)
 
 
 def _train(registry, data, tmp_path, model=None):

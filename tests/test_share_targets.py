@@ -13,7 +13,7 @@ import torch
 from training_helpers import (
     ByteTokenizer,
     route_items,
-    tiny_train_recipe,
+    three_mode_train_recipe,
     tiny_training_setup,
     training_registry,
 )
@@ -26,12 +26,6 @@ from elasticfw.training.logs import read_metrics
 from elasticfw.training.shares import ShareConstraint
 from elasticfw.training.trainer import train_router
 
-THREE_MODES = [
-    {"name": "full", "block_size": 16},
-    {"name": "moba", "moba_block_size": 16, "top_k": 2, "block_size": 16, "cost": 0.5},
-    {"name": "streaming", "sink_tokens": 16, "local_tokens": 16, "block_size": 16, "cost": 0.2},
-]
-
 
 @pytest.fixture(scope="module")
 def registry():
@@ -39,12 +33,8 @@ def registry():
 
 
 def _data(tmp_path, share_targets, cost_targets=None, **train):
-    data = tiny_train_recipe(tmp_path, constraint="cost", **train)
-    data["train"]["cost_targets"] = cost_targets or {"sensitive": [0.2, 1.0], "robust": [0.2, 1.0]}
+    data = three_mode_train_recipe(tmp_path, cost_targets or {"sensitive": [0.2, 1.0], "robust": [0.2, 1.0]}, **train)
     data["train"]["share_targets"] = share_targets
-    for entry in data["train"]["tasks"]:
-        entry["task"]["context_tokens"] = 48
-    data["elastic"] = {"modes": THREE_MODES, "executor": {"name": "sdpa"}, "router": {"name": "static"}}
     return data
 
 

@@ -154,6 +154,26 @@ TINY_ELASTIC: dict[str, Any] = {
 }
 
 
+#: three modes for the tiny models (48-token prompts); moba's and streaming's costs given in the recipe
+THREE_MODES: list[dict[str, Any]] = [
+    {"name": "full", "block_size": 16},
+    {"name": "moba", "moba_block_size": 16, "top_k": 2, "block_size": 16, "cost": 0.5},
+    {"name": "streaming", "sink_tokens": 16, "local_tokens": 16, "block_size": 16, "cost": 0.2},
+]
+
+
+def three_mode_train_recipe(tmp_dir: Any, cost_targets: dict[str, Any], router: dict[str, Any] | None = None,
+                            context_tokens: int = 48, **train: Any) -> dict[str, Any]:
+    """:func:`tiny_train_recipe` among :data:`THREE_MODES` under ``train.constraint: cost``, with
+    prompts of ``context_tokens`` and static gates unless ``router`` is given."""
+    data = tiny_train_recipe(tmp_dir, constraint="cost", **train)
+    data["train"]["cost_targets"] = cost_targets
+    for entry in data["train"]["tasks"]:
+        entry["task"]["context_tokens"] = context_tokens
+    data["elastic"] = {"modes": THREE_MODES, "executor": {"name": "sdpa"}, "router": router or {"name": "static"}}
+    return data
+
+
 def tiny_train_recipe(tmp_dir: Any, **train: Any) -> dict[str, Any]:
     """Recipe data: tiny model, both synthetic tasks, a few steps."""
     settings = {
