@@ -31,6 +31,13 @@ class Canonical:
     #: of the same forward, whose layers share one ``info``
     padding: Padding | None = None
 
+    def keys_like(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (B, H, Sk, ...) in transformers' key layout moved as the keys were (each sample's real
+        keys to index 0)."""
+        if self.padding is None or self.padding.info is None:
+            return t
+        return _roll_rows(t, self.padding.starts)
+
 
 @dataclass(frozen=True)
 class Padding:

@@ -23,6 +23,7 @@ from elasticfw.errors import ElasticError, UnsupportedInputError
 from elasticfw.model.adapter import BackboneAdapter
 from elasticfw.model.adapter_files import save_adapter
 from elasticfw.model.bridge import BINDING_ATTR, IMPLEMENTATION, register_implementation
+from elasticfw.model.rotary import RotaryCapture
 from elasticfw.model.runtime import ElasticRuntime, LayerBinding
 from elasticfw.registry import Registry, get_registry
 from elasticfw.routing.base import HeadLayout, Router
@@ -200,6 +201,8 @@ class ElasticModel(nn.Module):
         self._previous_impl = model.config._attn_implementation
         for i, module in enumerate(self.adapter.attention_modules(model)):
             setattr(module, BINDING_ATTR, LayerBinding(self.runtime, i))
+        if self.router.reads_unrotated_keys:
+            self.runtime.rotary = RotaryCapture(list(self.adapter.attention_modules(model)))
         model.set_attn_implementation(IMPLEMENTATION)
         if model.config._attn_implementation != IMPLEMENTATION:
             self.unwrap()
@@ -371,6 +374,9 @@ class ElasticModel(nn.Module):
         for module in self.adapter.attention_modules(model):
             if hasattr(module, BINDING_ATTR):
                 delattr(module, BINDING_ATTR)
+        if self.runtime.rotary is not None:
+            self.runtime.rotary.remove()
+            self.runtime.rotary = None
         model.set_attn_implementation(self._previous_impl)
         model._elasticfw_wrapped = False
         return model

@@ -28,6 +28,7 @@ from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import ElasticError
 from elasticfw.model.bridge import KeyPaddingInfo
 from elasticfw.model.canonical import Canonical, Padding, canonicalize
+from elasticfw.model.rotary import RotaryCapture, unrotate
 from elasticfw.routing.base import Router, RouterDecision
 
 Observer = Callable[[int, Canonical, float], None]
@@ -113,6 +114,9 @@ class ElasticRuntime:
     #: K >= 3 modes in routing order (``elastic.modes``), run by :meth:`_execute_modes`; ``None``: the
     #: two modes ``retrieval_mode`` and ``sparse_mode`` (then the first and the last of these)
     modes: list[AttentionMode] | None = None
+    #: each attention module's rotary cos/sin of its last call, where the router reads the keys before
+    #: the rotary embedding (:attr:`Router.reads_unrotated_keys`; set by the ElasticModel), else ``None``
+    rotary: RotaryCapture | None = None
 
     # -- entry point (called by the bridge) ---------------------------------------------------
     def attend(
@@ -143,7 +147,7 @@ class ElasticRuntime:
         self.padding_memo = can.padding
         for observer in self.observers:
             observer(layer_idx, can, scale)
-        decision = self._decision(layer_idx, can)
+        decision = self._decision(layer_idx, can, k)
         out = self._execute(layer_idx, can, decision, scale, sliding_window)
         if cache_layer is not None:  # the prefill ran on the whole cache: now keep what each head reads
             mixing = self.mixing
@@ -162,14 +166,23 @@ class ElasticRuntime:
         )
 
     # -- routing --------------------------------------------------------------------------------
-    def _decision(self, layer_idx: int, can: Canonical) -> RouterDecision | None:
+    def _decision(self, layer_idx: int, can: Canonical, keys: torch.Tensor) -> RouterDecision | None:
+        """The layer's routing decision; ``keys``: the keys in transformers' layout (``can.k`` before
+        the padding roll), which a router reading them unrotated gets with the rotation undone."""
         if layer_idx not in self.routed:
             return None
         held = self.decisions.get(layer_idx) if self.hold_decisions else None
         if held is not None and held.sparse.shape[0] == can.q.shape[0]:
             return held
         if can.first_chunk or self.mixing:
-            decision = self.router.decide(self.routed[layer_idx], can.k, self._routing_seq(can))
+            if self.router.reads_unrotated_keys:
+                if self.rotary is None:
+                    raise ElasticError("the router reads unrotated keys but the runtime keeps no rotary embedding")
+                cos, sin = self.rotary.pair(layer_idx)
+                routed_keys = can.keys_like(unrotate(keys, cos, sin).to(keys.dtype))
+            else:
+                routed_keys = can.k
+            decision = self.router.decide(self.routed[layer_idx], routed_keys, self._routing_seq(can))
             self.decisions[layer_idx] = decision
             return decision
         previous = self.decisions.get(layer_idx)

@@ -143,7 +143,8 @@ class Router(nn.Module, ABC):
     in ``heads.routed_layers``). Learned routers hold their parameters as ordinary
     ``nn.Module`` parameters: they are the only parameters an elastic model trains and saves.
     ``decide`` gets the layer's start-aligned key states (B, Hkv, Sk, D) — exactly what the
-    attention kernel sees — and the batch's :class:`SeqInfo`.
+    attention kernel sees, or the same keys before the rotary embedding where the router says so
+    (:attr:`reads_unrotated_keys`) — and the batch's :class:`SeqInfo`.
     """
 
     name: ClassVar[str]
@@ -151,6 +152,12 @@ class Router(nn.Module, ABC):
     #: whether the router decides among K >= 3 modes (``heads.num_modes``); ``False``: construction with
     #: more than two modes is refused
     routes_k_modes: ClassVar[bool] = False
+
+    @property
+    def reads_unrotated_keys(self) -> bool:
+        """Whether :meth:`decide` gets the keys with the rotary position embedding undone
+        (:mod:`elasticfw.model.rotary`) instead of as attention sees them (default)."""
+        return False
 
     def __init__(self, config: RouterConfig, heads: HeadLayout) -> None:
         super().__init__()

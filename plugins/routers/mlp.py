@@ -11,6 +11,10 @@ Per routed layer, head-agnostic weights applied to every KV head:
 
 About 0.27M parameters per layer at d' = 128, as in the paper.
 
+``pool_keys: unrotated`` (not in the paper; off by default) pools the keys with the rotary
+position embedding undone (:mod:`elasticfw.model.rotary`): the keys attention sees are rotated by
+their absolute position, so a window's mean, and the routing, changes with the prompt's length.
+
 ``input_norm: standardize`` (not in the paper; off by default) subtracts from each pooled vector
 the running mean of its (layer, KV head) and divides by that pair's running scale, statistics
 kept as buffers (saved with the adapter), updated in training and frozen at inference. The pooled
@@ -82,6 +86,15 @@ class MLPRouterConfig(RouterConfig):
         0.01, gt=0, le=1,
         description="input_norm statistics: a cumulative average over the first 1/momentum samples, then an "
         "exponential moving average with this weight per sample.",
+    )
+    pool_keys: Literal["rotated", "unrotated"] = Field(
+        "rotated",
+        description=(
+            "Which key states are pooled. rotated: as attention sees them, after the rotary position embedding "
+            "(paper); their window means turn with the windows' absolute positions, so one question routes "
+            "differently at the end of a longer prompt. unrotated: the same keys with the rotation undone "
+            "(content only), which makes the routing independent of where the pooled tokens sit."
+        ),
     )
     kernel: Literal["auto", "eager", "triton"] = Field(
         "auto",
@@ -224,6 +237,10 @@ class MLPRouter(Router):
         )
         #: the fused kernel's verdict per (layer, key dtype, device, head dim, weight dtype, device): None = runs
         self._fused_reasons: dict[tuple, str | None] = {}
+
+    @property
+    def reads_unrotated_keys(self) -> bool:
+        return self.config.pool_keys == "unrotated"
 
     def temperature(self) -> float:
         return self.schedule(self.progress)
