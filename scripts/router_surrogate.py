@@ -35,9 +35,10 @@ from elasticfw.training.objective import Lagrangian
 from elasticfw.training.trainer import cosine_with_warmup
 
 
-def collect(adapter: str, recipe_path: str, per_task: int, out: str) -> None:
+def collect(adapter: str, recipe_path: str, per_task: int, out: str, context_tokens: int | None = None) -> None:
     from elasticfw.model.checkpoint import load_adapter
     from elasticfw.model.loading import load_model
+    from elasticfw.model.rotary import unrotate
     from elasticfw.recipe import load_recipe
     from elasticfw.registry import get_registry
     from elasticfw.training.data import collate
@@ -45,7 +46,12 @@ def collect(adapter: str, recipe_path: str, per_task: int, out: str) -> None:
     from elasticfw_plugins.routers.mlp import boundary_pool
 
     recipe, registry = load_recipe(recipe_path), get_registry()
+    if context_tokens is not None:  # every task at another prompt length
+        tasks = [e.model_copy(update={"task": e.task.model_copy(update={"context_tokens": context_tokens})})
+                 for e in recipe.train.tasks]
+        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"tasks": tasks})})
     model, tok = load_model(recipe.model, registry=registry)
+    rotary = model.model.rotary_emb
     mixture = build_mixture(recipe, tok, model, registry)
     elastic = load_adapter(model, adapter, registry=registry, base_model=recipe.model.name)
     router, seen = elastic.router, {}
@@ -53,6 +59,10 @@ def collect(adapter: str, recipe_path: str, per_task: int, out: str) -> None:
 
     def spy(layer, keys, seq):  # the router's own pooling of exactly the keys it decides on
         seen[layer] = boundary_pool(keys, seq, router.config.pool_tokens).detach().float().cpu()
+        # and of the same keys with the rotary embedding undone (start-aligned key j sits at position j)
+        cos, sin = rotary(keys, torch.arange(keys.shape[2], device=keys.device)[None])
+        plain = unrotate(keys, cos, sin)
+        seen[("unrotated", layer)] = boundary_pool(plain, seq, router.config.pool_tokens).detach().float().cpu()
         decision = decide(layer, keys, seq)
         seen[("logits", layer)] = decision.logits.detach().float().cpu()
         return decision
@@ -60,7 +70,7 @@ def collect(adapter: str, recipe_path: str, per_task: int, out: str) -> None:
     router.decide = spy
     elastic.eval()
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    pooled, logits, task = [], [], []
+    pooled, unrotated, logits, task = [], [], [], []
     layers = elastic.heads.num_routed
     for t in mixture:
         for i in range(0, per_task, 8):
@@ -70,18 +80,22 @@ def collect(adapter: str, recipe_path: str, per_task: int, out: str) -> None:
                 elastic(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=1,
                         position_ids=(batch.attention_mask.cumsum(-1) - 1).clamp_min(0), use_cache=False)
             pooled.append(torch.stack([seen[j] for j in range(layers)], 1))
+            unrotated.append(torch.stack([seen[("unrotated", j)] for j in range(layers)], 1))
             logits.append(torch.stack([seen[("logits", j)] for j in range(layers)], 1))
             task.append(batch.task)
-    torch.save({"pooled": torch.cat(pooled), "logits": torch.cat(logits), "task": torch.cat(task),
+    torch.save({"pooled": torch.cat(pooled), "pooled_unrotated": torch.cat(unrotated),
+                "logits": torch.cat(logits), "task": torch.cat(task),
                 "labels": [t.label for t in mixture], "targets": [t.target for t in mixture],
                 "categories": [t.category for t in mixture]}, out)
 
 
 def run(data: dict, retrieval: torch.Tensor, *, steps=150, batch=32, lr=1e-3, lam_lr=2e-2, norm="none",
-        ste="sigmoid", tau_units=2.0, init=0.5, logit_reg=0.0, task_lr_mult=1.0, ce=0.5, seed=0, wd=0.1) -> dict:
+        ste="sigmoid", tau_units=2.0, init=0.5, logit_reg=0.0, task_lr_mult=1.0, ce=0.5, seed=0, wd=0.1,
+        keys="rotated", tests: dict[str, dict] | None = None) -> dict:
     from elasticfw_plugins.routers.mlp import _LayerRouter
 
-    pooled, task = data["pooled"], data["task"]
+    field = {"rotated": "pooled", "unrotated": "pooled_unrotated"}[keys]
+    pooled, task = data[field], data["task"]
     n, layers, heads, dim = pooled.shape
     sensitive = torch.tensor([c == "sensitive" for c in data["categories"]], dtype=torch.float32)
     index = torch.arange(n)
@@ -129,14 +143,21 @@ def run(data: dict, retrieval: torch.Tensor, *, steps=150, batch=32, lr=1e-3, la
         opt.step()
         lag_opt.step()
         sched.step()
-    with torch.no_grad():
-        z = forward(features(pooled[test_idx]))
+    def held_out(x: torch.Tensor, t: torch.Tensor) -> tuple[dict, dict, torch.Tensor]:
+        with torch.no_grad():
+            z = forward(features(x))
         diff = z[..., 1] - z[..., 0]
-        msr, t = (diff > 0).float().mean((1, 2)), task[test_idx]
-        return {"msr": {label: round(float(msr[t == k].mean()), 3) for k, label in enumerate(data["labels"])},
-                "msr_std": {label: round(float(msr[t == k].std()), 3) for k, label in enumerate(data["labels"])},
-                "median_abs_logit_diff": round(float(diff.abs().median()), 2),
-                "lambda1": [round(v, 2) for v in lag.lambda1.tolist()]}
+        msr = (diff > 0).float().mean((1, 2))
+        return ({label: round(float(msr[t == k].mean()), 3) for k, label in enumerate(data["labels"])},
+                {label: round(float(msr[t == k].std()), 3) for k, label in enumerate(data["labels"])}, diff)
+
+    msr, std, diff = held_out(pooled[test_idx], task[test_idx])
+    result = {"msr": msr, "msr_std": std, "median_abs_logit_diff": round(float(diff.abs().median()), 2),
+              "lambda1": [round(v, 2) for v in lag.lambda1.tolist()]}
+    for name, other in (tests or {}).items():  # every prompt of another collection (other lengths)
+        msr, std, _ = held_out(other[field], other["task"])
+        result[f"msr@{name}"], result[f"msr_std@{name}"] = msr, std
+    return result
 
 
 def main() -> None:
@@ -147,21 +168,24 @@ def main() -> None:
     c.add_argument("recipe")
     c.add_argument("--per-task", type=int, default=48)
     c.add_argument("--out", required=True)
+    c.add_argument("--context-tokens", type=int, help="every task's prompts at this length (default: the recipe's)")
     t = sub.add_parser("train")
     t.add_argument("pooled")
     t.add_argument("grid", help="a JSON list of keyword-argument objects for run()")
+    t.add_argument("--test", nargs="*", default=[], help="collections (other lengths) to report held-out MSR on too")
     t.add_argument("--retrieval-heads", help="JSON (layers x heads) 0/1: heads that must stay full on sensitive prompts")
     args = ap.parse_args()
     if args.cmd == "collect":
-        collect(args.adapter, args.recipe, args.per_task, args.out)
+        collect(args.adapter, args.recipe, args.per_task, args.out, args.context_tokens)
         return
     data = torch.load(args.pooled, weights_only=True)
+    tests = {path: torch.load(path, weights_only=True) for path in args.test}
     if args.retrieval_heads:
         retrieval = torch.tensor(json.loads(args.retrieval_heads), dtype=torch.float32)
     else:
         retrieval = ((data["logits"][..., 1] - data["logits"][..., 0]).mean(0) < 0).float()
     for kwargs in json.loads(args.grid):
-        print(json.dumps({"config": kwargs, **run(data, retrieval, **kwargs)}), flush=True)
+        print(json.dumps({"config": kwargs, **run(data, retrieval, tests=tests, **kwargs)}), flush=True)
 
 
 if __name__ == "__main__":
