@@ -156,7 +156,11 @@ def test_training_forward_mixes_both_modes():
     assert torch.allclose(seen["mixed"], expected, atol=1e-5)
 
 
-@pytest.mark.parametrize("router", [{"name": "mlp", "pool_tokens": 8}, {"name": "static"}, MIXED])
+@pytest.mark.parametrize(
+    "router",
+    [{"name": "mlp", "pool_tokens": 8}, {"name": "mlp", "pool_tokens": 8, "pool_keys": "unrotated"}, {"name": "static"},
+     MIXED],
+)
 def test_save_load_round_trip(tmp_path, router):
     torch.manual_seed(0)
     model = tiny_model("mistral")
@@ -175,6 +179,7 @@ def test_save_load_round_trip(tmp_path, router):
         got = loaded(input_ids=ids, attention_mask=mask).logits
     assert torch.equal(decisions, loaded.routing.decisions)
     assert torch.allclose(got, expected, atol=1e-6)
+    assert loaded.router.reads_unrotated_keys == (router.get("pool_keys") == "unrotated")
     files = sorted(p.name for p in (tmp_path / "adapter").iterdir())
     assert files == ["elastic_adapter.safetensors", "elastic_config.json"]
 

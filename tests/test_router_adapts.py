@@ -82,8 +82,10 @@ def _separation(msr: dict[str, list[float]]) -> tuple[float, float]:
     return gap, sum(b > a for a, b in pairs) / len(pairs)
 
 
-def test_standardised_router_routes_the_two_kinds_apart(tmp_path):
-    msr = _train_and_route(tmp_path, {"name": "mlp", "pool_tokens": 8, "input_norm": "standardize"})
+@pytest.mark.parametrize("pool_keys", ["rotated", "unrotated"])
+def test_standardised_router_routes_the_two_kinds_apart(tmp_path, pool_keys):
+    router = {"name": "mlp", "pool_tokens": 8, "input_norm": "standardize", "pool_keys": pool_keys}
+    msr = _train_and_route(tmp_path, router)
     gap, ordered = _separation(msr)
     assert gap >= 0.25, msr
     assert ordered >= 0.75, msr
