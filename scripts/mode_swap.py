@@ -13,14 +13,19 @@ same for every sample (every share 0 or 1), that assignment is a ``fixed`` route
 (those ``elasticfw train`` evaluates held back) with each ``--variant``'s modes in the two slots:
 ``LABEL|SLOT=YAML; SLOT=YAML`` with SLOT ``retrieval_mode`` or ``sparse_mode`` replaced whole (an
 empty right side keeps the recipe's modes). ``--heads-from`` takes the assignment from another
-summary (e.g. the FA-SSA router's heads under XAttention). Each variant gets its score with a 95 %
-interval and its paired difference to full attention's per-sample scores in the summary.
+summary (e.g. the FA-SSA router's heads under XAttention). ``--keep-router`` instead routes every
+sample with the trained adapter itself (``RUN/ROUTER/adapter`` beside the summary; any task, its
+routing per sample as trained) and swaps only the modes it routes to, e.g. a denser XAttention
+threshold at inference. Each variant gets its score with a 95 % interval and its paired difference
+to full attention's per-sample scores in the summary.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +35,7 @@ import yaml
 from elasticfw.atomic import atomic_write_text
 from elasticfw.eval.dataset import samples_from_dataset, task_dataset
 from elasticfw.eval.generate import evaluate
+from elasticfw.model.checkpoint import load_adapter
 from elasticfw.model.loading import load_model, make_elastic
 from elasticfw.provenance import environment
 from elasticfw.recipe import load_recipe, validate_recipe_data
@@ -59,6 +65,17 @@ def sparse_heads(summary: dict[str, Any], router: str, task: str, layers: list[i
     return [[rows[i], h] for i, row in enumerate(share) for h, v in enumerate(row) if v >= 1.0]
 
 
+def adapter_with_modes(adapter: Path, modes: dict[str, dict[str, Any]], into: Path) -> Path:
+    """A copy of ``adapter`` in ``into`` whose elastic section has ``modes`` (slot -> mode section)
+    in place of its own; its router (weights and state) unchanged."""
+    config = json.loads((adapter / "elastic_config.json").read_text())
+    config["elastic"].update(modes)
+    into.mkdir(parents=True, exist_ok=True)
+    shutil.copy(adapter / "elastic_adapter.safetensors", into / "elastic_adapter.safetensors")
+    (into / "elastic_config.json").write_text(json.dumps(config))
+    return into
+
+
 def parse_variant(text: str) -> tuple[str, dict[str, dict[str, Any]]]:
     """``LABEL|SLOT=YAML; SLOT=YAML`` -> (label, {slot: mode section})."""
     label, sep, rest = text.partition("|")
@@ -83,6 +100,8 @@ def main() -> int:
     p.add_argument("--task", required=True, help="a task label of the recipe's train.tasks")
     p.add_argument("--router", default="mlp", help="the summary's router whose heads are kept")
     p.add_argument("--heads-from", type=Path, default=None, help="take the heads from this summary instead")
+    p.add_argument("--keep-router", action="store_true",
+                   help="route each sample with the trained adapter (RUN/ROUTER/adapter) instead of a fixed assignment")
     p.add_argument("--variant", action="append", required=True, help="'LABEL|SLOT=YAML; SLOT=YAML' (see above)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, required=True)
@@ -93,11 +112,16 @@ def main() -> int:
     recipe = load_recipe(args.recipe, [f"model.device={args.device}"])
     registry = get_registry()
     model, tok = load_model(recipe.model, registry=registry)
-    config = (args.heads_from or args.summary).parent / args.router / "adapter" / "elastic_config.json"
+    adapter = (args.heads_from or args.summary).parent / args.router / "adapter"
+    if args.keep_router and args.heads_from:
+        raise SystemExit("--keep-router routes with the summary's own adapter; it excludes --heads-from")
+    if args.keep_router and not (adapter / "elastic_config.json").exists():
+        raise SystemExit(f"--keep-router: no adapter at {adapter}")
+    config = adapter / "elastic_config.json"
     layers = json.loads(config.read_text())["routed_layers"] if config.exists() else None
     if layers is None:  # every layer routed
         layers = list(range(model.config.num_hidden_layers))
-    heads = sparse_heads(source, args.router, args.task, layers)
+    heads = None if args.keep_router else sparse_heads(source, args.router, args.task, layers)
     entry = next((e for e in recipe.train.tasks if (e.label or e.task.name) == args.task), None)
     if entry is None:
         raise SystemExit(f"--task {args.task!r} is not among the recipe's train.tasks")
@@ -105,12 +129,19 @@ def main() -> int:
     samples = samples_from_dataset(task_dataset(plugin, tok, seed=recipe.seed, split="eval"))
     full = [s["score"] for s in summary["details"]["full"][args.task]["per_sample"]]
     rows: dict[str, Any] = {}
-    for label, modes in variants:
-        data = recipe.model_dump(mode="json")
-        data["elastic"].update(modes)
-        data["elastic"]["router"] = {"name": "fixed", "assign": "sparse_heads", "heads": heads}
-        section = validate_recipe_data(data, registry=registry).elastic
-        elastic = make_elastic(model, tok, section, registry=registry, base_model_name=recipe.model.name)
+    scratch = Path(tempfile.mkdtemp(prefix="mode_swap_"))
+    for index, (label, modes) in enumerate(variants):
+        if heads is None:
+            swapped = adapter_with_modes(adapter, modes, scratch / str(index))
+            elastic = load_adapter(model, swapped, registry=registry, base_model=recipe.model.name)
+            used = {s: json.loads((swapped / "elastic_config.json").read_text())["elastic"][s] for s in SLOTS}
+        else:
+            data = recipe.model_dump(mode="json")
+            data["elastic"].update(modes)
+            data["elastic"]["router"] = {"name": "fixed", "assign": "sparse_heads", "heads": heads}
+            section = validate_recipe_data(data, registry=registry).elastic
+            elastic = make_elastic(model, tok, section, registry=registry, base_model_name=recipe.model.name)
+            used = {s: data["elastic"][s] for s in SLOTS}
         elastic.eval()
         try:
             res = evaluate(elastic, tok, plugin, samples, batch_size=recipe.train.eval_batch_size,
@@ -118,15 +149,19 @@ def main() -> int:
         finally:
             elastic.unwrap()
         scores = [r.score for r in res.results]
-        rows[label] = {"modes": {s: data["elastic"][s] for s in SLOTS}, **res.summary(),
+        rows[label] = {"modes": used, **res.summary(),
                        **score_intervals(scores, full), "per_sample_score": scores}
         r = rows[label]
         print(f"{label}: {r['accuracy']:.3f} {r['ci']} diff to full {r['diff_to_full']:+.3f} {r['diff_ci']} "
-              f"ESR {r['esr']:.3f}", flush=True)
+              f"MSR {r['msr']:.3f} ESR {r['esr']:.3f}", flush=True)
+    shutil.rmtree(scratch, ignore_errors=True)
+    if heads is None:
+        routing: dict[str, Any] = {"routed_by": str(adapter)}
+    else:
+        total = sum(len(r) for r in source["routers"][args.router]["routing"]["sparse_share"][args.task])
+        routing = {"heads_from": str(args.heads_from or args.summary), "sparse_heads": heads, "msr": len(heads) / total}
     out = {"summary": str(args.summary), "recipe": str(args.recipe), "task": args.task, "router": args.router,
-           "heads_from": str(args.heads_from or args.summary), "sparse_heads": heads,
-           "msr": len(heads) / sum(len(r) for r in source["routers"][args.router]["routing"]["sparse_share"][args.task]),
-           "variants": rows, "environment": environment(torch.device(args.device))}
+           **routing, "variants": rows, "environment": environment(torch.device(args.device))}
     atomic_write_text(args.out, json.dumps(out, indent=1) + "\n")
     return 0
 
