@@ -14,9 +14,10 @@ same for every sample (every share 0 or 1), that assignment is a ``fixed`` route
 ``LABEL|SLOT=YAML; SLOT=YAML`` with SLOT ``retrieval_mode`` or ``sparse_mode`` replaced whole (an
 empty right side keeps the recipe's modes). ``--heads-from`` takes the assignment from another
 summary (e.g. the FA-SSA router's heads under XAttention). ``--keep-router`` instead routes every
-sample with the trained adapter itself (``RUN/ROUTER/adapter`` beside the summary; any task, its
-routing per sample as trained) and swaps only the modes it routes to, e.g. a denser XAttention
-threshold at inference. Each variant gets its score with a 95 % interval and its paired difference
+sample with the trained adapter itself (``RUN/ROUTER/adapter`` beside the summary; any task) and
+swaps only the modes it routes to, e.g. a denser XAttention threshold at inference. The router then
+reads the keys of the swapped model, so from its second routed layer on its decisions may differ
+from the run's. Each variant gets its score with a 95 % interval and its paired difference
 to full attention's per-sample scores in the summary.
 """
 
