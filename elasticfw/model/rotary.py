@@ -48,9 +48,9 @@ def unrotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 class RotaryCapture:
-    """Keeps the ``position_embeddings`` (cos, sin) each attention module was called with, by a forward
-    pre-hook on each, until :meth:`remove`. ``latest[i]`` is attention module ``i``'s pair of its last call
-    (the layers of one forward share the tensors; nothing is copied)."""
+    """Keeps the ``position_embeddings`` (cos, sin) each attention module is called with, by a forward
+    pre-hook on each, until :meth:`remove`. ``latest[i]`` is attention module ``i``'s pair of its current
+    call, until :meth:`pair` takes it (the layers of one forward share the tensors; nothing is copied)."""
 
     def __init__(self, modules: list[nn.Module]) -> None:
         self.latest: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
@@ -65,7 +65,9 @@ class RotaryCapture:
         return keep
 
     def pair(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pair = self.latest.get(layer_idx)
+        """Attention module ``layer_idx``'s (cos, sin) of its current call, handed over once (not kept
+        alive beyond it: each is (batch, tokens, head dim), large at long prompts)."""
+        pair = self.latest.pop(layer_idx, None)
         if pair is None:
             raise UnsupportedInputError(
                 f"layer {layer_idx}: the router pools keys before the rotary embedding (router.pool_keys = "
