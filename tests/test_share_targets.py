@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 from training_helpers import (
-    ByteTokenizer,
     route_items,
     three_mode_train_recipe,
     tiny_training_setup,
@@ -19,11 +18,9 @@ from training_helpers import (
 )
 
 from elasticfw.errors import CheckpointError, RecipeError
-from elasticfw.model.loading import make_elastic
 from elasticfw.recipe import validate_recipe_data
-from elasticfw.testing.models import tiny_model
 from elasticfw.training.logs import read_metrics
-from elasticfw.training.shares import ShareConstraint
+from elasticfw.training.shares import ShareConstraint, share_constraint
 from elasticfw.training.trainer import train_router
 
 
@@ -123,7 +120,37 @@ def test_resume_refuses_other_share_targets(registry, tmp_path):
     recipe, mixture, elastic = tiny_training_setup(registry, data)
     train_router(elastic, mixture, recipe.train, tmp_path, seed=0, pad_id=0, progress=False)
     data["train"]["share_targets"] = {"robust": {"streaming": [0.5, 1.0]}}
-    changed = validate_recipe_data(data, registry=registry)
-    elastic = make_elastic(tiny_model("llama"), ByteTokenizer(), changed.elastic, registry=registry)
+    changed, mixture, elastic = tiny_training_setup(registry, data)
     with pytest.raises(CheckpointError, match=r"share targets \[\{\}, \{'2': \[0.6, 1.0\]\}\].*\[\{\}, \{'2': \[0.5, 1.0\]\}\]"):
         train_router(elastic, mixture, changed.train, tmp_path, seed=0, pad_id=0, progress=False, resume=True)
+
+
+def test_a_task_entry_overrides_its_categorys_share_targets(registry, tmp_path):
+    """``train.tasks[i].share_targets`` replaces ``train.share_targets[category]`` for that task only
+    (``{}`` frees it), and reaches the constraint: its bounds are the entry's."""
+    data = _data(tmp_path, {"sensitive": {"full": [0.2, 1.0]}, "robust": {"streaming": [0.6, 1.0]}})
+    data["train"]["tasks"][1]["share_targets"] = {"moba": [0.0, 0.1]}  # "repeat" (robust)
+    recipe, mixture, _ = tiny_training_setup(registry, data)
+    assert [t.share_targets for t in mixture] == [{"full": (0.2, 1.0)}, {"moba": (0.0, 0.1)}]
+    c = share_constraint(mixture, ["full", "moba", "streaming"], 0.0)
+    assert c is not None and c.bounds() == [{0: [0.2, 1.0]}, {1: [0.0, 0.1]}]
+    data["train"]["tasks"][0]["share_targets"] = {}
+    _, mixture, _ = tiny_training_setup(registry, data)
+    assert mixture[0].share_targets == {}
+    dumped = validate_recipe_data(data, registry=registry).model_dump()["train"]["tasks"]
+    assert dumped[1]["share_targets"] == {"moba": (0.0, 0.1)}
+    del data["train"]["tasks"][0]["share_targets"], data["train"]["tasks"][1]["share_targets"]
+    assert all("share_targets" not in t for t in validate_recipe_data(data, registry=registry).model_dump()["train"]["tasks"])
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"xattention": 0.3}, r"train.tasks.1.share_targets names \['xattention'\].*some of \['full', 'moba', 'streaming'\]"),
+    ({"full": 0.7, "streaming": 0.5}, "lower bounds of the share targets add up to 1.2, above 1"),
+    ({"full": 0.2, "moba": 0.2, "streaming": [0.1, 0.5]}, "train.tasks.1.share_targets lists every mode.*below 1"),
+    ({"full": -0.1}, r"full = -0.1: a share of heads"),
+])
+def test_task_entry_share_target_errors_name_the_field(registry, tmp_path, entry, message):
+    data = _data(tmp_path, {})
+    data["train"]["tasks"][1]["share_targets"] = entry
+    with pytest.raises(RecipeError, match=message):
+        validate_recipe_data(data, registry=registry)

@@ -38,6 +38,7 @@ from elasticfw.recipe.train_section import (
     TrainSettings,
     TrainTaskBase,
     check_cost_target,
+    check_share_targets,
     check_target,
 )
 from elasticfw.registry import Registry, get_registry
@@ -289,7 +290,8 @@ def _build_models(registry_id: int, revision: int) -> type[BaseModel]:  # revisi
         __base__=TrainTaskBase,
         __doc__="One task of the training mixture, with its sparsity target.",
         __validators__={"_target": field_validator("target")(_check_target),  # type: ignore[dict-item]
-                        "_cost_target": field_validator("cost_target")(_check_cost_target)},  # type: ignore[dict-item]
+                        "_cost_target": field_validator("cost_target")(_check_cost_target),  # type: ignore[dict-item]
+                        "_share_targets": field_validator("share_targets")(_check_share_targets)},  # type: ignore[dict-item]
         task=(registry.config_union("task"), Field(..., description="The task plugin; its num_samples is the training pool.")),
         label=(str | None, Field(None, min_length=1, max_length=100, pattern=_LABEL,
                                  description="Name in logs and summaries (default: the task's name).")),
@@ -305,6 +307,11 @@ def _build_models(registry_id: int, revision: int) -> type[BaseModel]:  # revisi
             Target | None,
             Field(None, description="With train.constraint: cost, its expected-cost target (a relative cost, full "
                   "attention = 1), or an interval [lo, hi] (default: train.cost_targets[category])."),
+        ),
+        share_targets=(
+            dict[str, Target] | None,
+            Field(None, description="Its per-mode share targets, {mode: share of heads or [lo, hi]}, in place of "
+                  "train.share_targets[category] (default: those; {} frees this task's shares)."),
         ),
         weight=(float, Field(1.0, gt=0, le=1e6, description="Relative frequency of this task in the mixture.")),
         eval_samples=(int, Field(20, ge=0, le=1_000_000, description="Held-back samples (eval split) for the evaluation after training.")),
@@ -399,6 +406,10 @@ def _check_target(value: Any) -> Any:
 
 def _check_cost_target(value: Any) -> Any:
     return check_cost_target(value)
+
+
+def _check_share_targets(value: Any) -> Any:
+    return check_share_targets(value)
 
 
 def _check_train_labels(section: Any) -> Any:

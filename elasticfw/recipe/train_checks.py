@@ -29,7 +29,12 @@ def check_train_objective(recipe: Any, info: ValidationInfo) -> Any:
     elastic = recipe.elastic
     k, names = elastic.num_modes, ", ".join(m.name for m in elastic.mode_configs())
     given = [i for i, entry in enumerate(train.tasks) if entry.cost_target is not None]
-    _check_share_targets(train.share_targets, [m.name for m in elastic.mode_configs()])
+    mode_names = [m.name for m in elastic.mode_configs()]
+    for category, targets in train.share_targets.items():
+        _check_share_targets(targets, mode_names, f"train.share_targets.{category}")
+    for i, entry in enumerate(train.tasks):
+        if entry.share_targets:
+            _check_share_targets(entry.share_targets, mode_names, f"train.tasks.{i}.share_targets")
     if train.constraint == "msr":
         if k > 2:
             raise ValueError(
@@ -75,21 +80,18 @@ def check_train_objective(recipe: Any, info: ValidationInfo) -> Any:
     return recipe
 
 
-def _check_share_targets(share_targets: dict[str, dict[str, Any]], names: list[str]) -> None:
-    """Share targets name modes of ``elastic.modes`` (by :func:`~elasticfw.training.cost.mode_labels`),
-    and where they list every mode their upper bounds leave room for all heads."""
+def _check_share_targets(targets: dict[str, Any], names: list[str], where: str) -> None:
+    """Share targets (at recipe field ``where``) name modes of ``elastic.modes`` (by
+    :func:`~elasticfw.training.cost.mode_labels`), and where they list every mode their upper bounds
+    leave room for all heads."""
     labels = mode_labels(names)
-    for category, targets in share_targets.items():
-        unknown = sorted(set(targets) - set(labels))
-        if unknown:
+    unknown = sorted(set(targets) - set(labels))
+    if unknown:
+        raise ValueError(f"{where} names {unknown}, which are not modes of elastic.modes; expected some of {labels}")
+    if set(targets) == set(labels):
+        highs = sum(t if isinstance(t, (int, float)) else t[1] for t in targets.values())
+        if highs < 1.0 - 1e-9:
             raise ValueError(
-                f"train.share_targets.{category} names {unknown}, which are not modes of elastic.modes; expected "
-                f"some of {labels}"
+                f"{where} lists every mode, and their upper bounds add up to {highs:.4g}, below 1; expected shares "
+                "that can account for every head"
             )
-        if set(targets) == set(labels):
-            highs = sum(t if isinstance(t, (int, float)) else t[1] for t in targets.values())
-            if highs < 1.0 - 1e-9:
-                raise ValueError(
-                    f"train.share_targets.{category} lists every mode, and their upper bounds add up to {highs:.4g}, "
-                    "below 1; expected shares that can account for every head"
-                )

@@ -43,22 +43,41 @@ def check_cost_target(value: Target | None) -> Target | None:
     return value
 
 
+def check_share_targets(targets: dict[str, Target] | None, where: str = "") -> dict[str, Target] | None:
+    """Share targets {mode: share of heads or [lo, hi]}: each share in [0, 1], and lower bounds that can
+    hold together (their sum at most 1). Whether the modes exist is checked against ``elastic.modes``
+    (:mod:`elasticfw.recipe.train_checks`). ``where``: a prefix for the messages."""
+    if targets is None:
+        return None
+    for mode, target in targets.items():
+        try:
+            check_target(target)
+        except ValueError as exc:
+            raise ValueError(f"{where}{mode} = {target!r}: a share of heads; {exc}") from None
+    lows = sum(t if isinstance(t, (int, float)) else t[0] for t in targets.values())
+    if lows > 1.0 + 1e-9:
+        raise ValueError(f"{where.rstrip('.') or 'share targets'}: the lower bounds of the share targets add up to "
+                         f"{lows:.4g}, above 1; expected shares that can hold together")
+    return targets
+
+
 def _paper_targets() -> dict[Literal["sensitive", "robust"], Target]:
     return {"sensitive": 0.7, "robust": 1.0}
 
 
 class TrainTaskBase(BaseModel):
     """What every ``train.tasks`` entry has beside its fields (built with the registry in
-    :mod:`elasticfw.recipe.schema`): a dump leaves out an unset ``cost_target``, so an entry that does
-    not use the cost objective dumps as before."""
+    :mod:`elasticfw.recipe.schema`): a dump leaves out an unset ``cost_target`` and ``share_targets``, so
+    an entry that does not use them dumps as before."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: Any) -> Any:
         data = handler(self)
-        if isinstance(data, dict) and "cost_target" in data and data["cost_target"] is None:
-            del data["cost_target"]
+        for unset in ("cost_target", "share_targets"):
+            if isinstance(data, dict) and unset in data and data[unset] is None:
+                del data[unset]
         return data
 
 
@@ -160,15 +179,7 @@ class TrainSettings(BaseModel):
     @classmethod
     def _share_targets(cls, value: dict[str, dict[str, Target]]) -> dict[str, dict[str, Target]]:
         for category, targets in value.items():
-            for mode, target in targets.items():
-                try:
-                    check_target(target)
-                except ValueError as exc:
-                    raise ValueError(f"{category}.{mode} = {target!r}: a share of heads; {exc}") from None
-            lows = sum(t if isinstance(t, (int, float)) else t[0] for t in targets.values())
-            if lows > 1.0 + 1e-9:
-                raise ValueError(f"{category}: the lower bounds of the share targets add up to {lows:.4g}, above 1; "
-                                 "expected shares that can hold together")
+            check_share_targets(targets, f"{category}.")
         return value
 
     @field_validator("lr_scale")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,7 +36,8 @@ class TrainItem:
 @dataclass
 class MixtureTask:
     """A task of the mixture, resolved: its plugin, label, category, target and training pool.
-    ``cost_target``: its expected-cost target under ``train.constraint: cost`` (else ``None``)."""
+    ``cost_target``: its expected-cost target under ``train.constraint: cost`` (else ``None``);
+    ``share_targets``: its per-mode share targets {mode label: target} (``train.share_targets``)."""
 
     label: str
     task: Task
@@ -45,6 +46,7 @@ class MixtureTask:
     weight: float
     items: list[TrainItem]
     cost_target: Any = None
+    share_targets: dict[str, Any] = field(default_factory=dict)
 
     def constrained_target(self, constraint: str) -> Any:
         """The target of the quantity ``constraint`` (``train.constraint``) names: MSR or cost."""

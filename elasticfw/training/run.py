@@ -64,7 +64,8 @@ def build_mixture(recipe: Any, tokenizer: Any, model: Any, registry: Registry) -
         samples = samples_from_dataset(task_dataset(task, tokenizer, seed=recipe.seed, split="train"))
         items = encode_targets(task, samples, tokenizer, index, label)
         check_items(label, items, context_window(model))
-        mixture.append(MixtureTask(label, task, category, target, entry.weight, items, cost_target))
+        shares = entry.share_targets if entry.share_targets is not None else settings.share_targets.get(category, {})
+        mixture.append(MixtureTask(label, task, category, target, entry.weight, items, cost_target, dict(shares)))
     return mixture
 
 

@@ -74,11 +74,11 @@ class ShareConstraint(nn.Module):
         return [{k: list(target_bounds(t)) for k, t in per_mode.items()} for per_mode in self.targets]
 
 
-def share_constraint(share_targets: dict[str, dict[str, Target]], mixture: list[Any], modes: list[str],
-                     init: float) -> ShareConstraint | None:
-    """The constraint of ``train.share_targets`` over the task mixture (targets by category, modes by
-    their :func:`~elasticfw.training.cost.mode_labels` label), or ``None`` where no task has one."""
-    targets = [{modes.index(m): t for m, t in share_targets.get(task.category, {}).items()} for task in mixture]
+def share_constraint(mixture: list[Any], modes: list[str], init: float) -> ShareConstraint | None:
+    """The constraint of the mixture's share targets (each task's ``share_targets``: its entry's, else
+    ``train.share_targets`` of its category; modes by their :func:`~elasticfw.training.cost.mode_labels`
+    label), or ``None`` where no task has one."""
+    targets = [{modes.index(m): t for m, t in task.share_targets.items()} for task in mixture]
     if not any(targets):
         return None
     return ShareConstraint(targets, len(modes), init)

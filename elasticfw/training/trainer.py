@@ -138,7 +138,7 @@ def train_router(
         check_cost_targets(elastic.costs, mixture)
     lagrangian = Lagrangian([t.constrained_target(constraint) for t in mixture], settings.lambda_init).to(device)
     modes = mode_labels([m.name for m in elastic.modes])
-    shares_c = share_constraint(settings.share_targets, mixture, modes, settings.lambda_init)
+    shares_c = share_constraint(mixture, modes, settings.lambda_init)
     if shares_c is not None:
         shares_c.to(device)
     multipliers = [*lagrangian.parameters(), *(shares_c.parameters() if shares_c is not None else [])]
