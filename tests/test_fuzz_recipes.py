@@ -462,6 +462,11 @@ FIXED = [
         id="self-referencing-yaml-alias-override",  # was RecursionError in OmegaConf
     ),
     pytest.param(lambda: load_text("a: &a [*a]\n"), (("a",),), id="self-referencing-yaml-alias-file"),
+    pytest.param(  # was "the key '5' reads as the number 5" at line 2, naming no section
+        lambda: load_text("model:\n  5: 1\n"), (("model", 5),), id="number-key-in-a-section-file",
+    ),
+    pytest.param(lambda: load_text("compare:\n  - {label: a, 5: 1}\n"), (("compare", 0, 5),),
+                 id="number-key-in-a-list-item-file"),
 ]  # fmt: skip
 
 

@@ -192,6 +192,28 @@ class _RecipeLoader(yaml.SafeLoader):
         self._aliases = 0
         self._open_anchors: list[str] = []
 
+    def construct_document(self, node: Any) -> Any:
+        # where each mapping sits (its keys' path from the top), for the messages about its keys
+        self._paths: dict[int, str] = {}
+        stack: list[tuple[Any, str]] = [(node, "")]
+        while stack:
+            current, path = stack.pop()
+            if id(current) in self._paths:  # an alias: its first place names it
+                continue
+            if isinstance(current, yaml.MappingNode):
+                self._paths[id(current)] = path
+                for key, value in current.value:
+                    name = key.value if isinstance(key, yaml.ScalarNode) else "?"
+                    stack.append((value, f"{path}.{name}" if path else str(name)))
+            elif isinstance(current, yaml.SequenceNode):
+                self._paths[id(current)] = path
+                stack.extend((item, f"{path}.{i}" if path else str(i)) for i, item in enumerate(current.value))
+        return super().construct_document(node)
+
+    def mapping_path(self, node: Any) -> str:
+        """The dotted path of mapping ``node`` in the document ('' at the top)."""
+        return getattr(self, "_paths", {}).get(id(node), "")
+
     def compose_node(self, parent: Any, index: Any) -> Any:
         event = self.peek_event()
         if isinstance(event, yaml.AliasEvent):
@@ -288,18 +310,21 @@ def _yaml_kind(value: Any) -> str:
 
 def _construct_mapping(loader: _RecipeLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
     first_line: dict[Any, int] = {}
+    path = loader.mapping_path(node)
+    inside = f" of {path}" if path else ""
     for key_node, _ in node.value:
         if key_node.tag == _MERGE_TAG:
             continue
         key = loader.construct_object(key_node, deep=deep)
         if isinstance(key_node, yaml.ScalarNode) and not isinstance(key, str):
             raise yaml.constructor.ConstructorError(
-                None, None, f"the key {key_node.value!r} reads as {_yaml_kind(key)}, but recipe keys are names; "
-                f"quote it ('{key_node.value}':) if you meant the text", key_node.start_mark
+                None, None, f"the key {key_node.value!r}{inside} reads as {_yaml_kind(key)}, but recipe keys are "
+                f"names; quote it ('{key_node.value}':) if you meant the text", key_node.start_mark
             )
         if isinstance(key, _SCALAR_KEYS) and key in first_line:
             raise yaml.constructor.ConstructorError(
-                None, None, f"key {shown(key)} is given twice (first at line {first_line[key]})", key_node.start_mark
+                None, None, f"key {shown(key)}{inside} is given twice (first at line {first_line[key]})",
+                key_node.start_mark,
             )
         if isinstance(key, _SCALAR_KEYS):
             first_line[key] = key_node.start_mark.line + 1
