@@ -7,7 +7,9 @@ probe routes each prompt twice with an adapter: as it is, and with the last wind
 (rotation undone at their positions, redone at the positions they would have in a prompt of
 ``--reference`` tokens: the training length) before the router reads them; the first window
 already sits at the same positions in every prompt. If the MSR of a task stays put across lengths
-once moved, the length effect is the rotation's, not the content's.
+once moved, the length effect is the rotation's, not the content's. ``--score`` also generates an
+answer to each prompt, as it is, moved, and under full attention (the plain model), and scores it
+with the task's metric: whether moving the window also gives back what the length took.
 
     python scripts/rope_phase_probe.py results/train/smollm2-fa-ssa/mlp/adapter \\
         recipes/train/smollm2-fa-ssa.yaml --tasks passkey code_completion --lengths 500 1000 2500 \\
@@ -25,6 +27,7 @@ import torch
 
 from elasticfw.atomic import atomic_write_text
 from elasticfw.eval.dataset import samples_from_dataset, task_dataset
+from elasticfw.eval.generate import evaluate
 from elasticfw.model.checkpoint import load_adapter
 from elasticfw.model.loading import load_model
 from elasticfw.model.rotary import rotate_half, unrotate
@@ -57,21 +60,22 @@ def main() -> None:
     ap.add_argument("--lengths", nargs="+", type=int, required=True, help="prompt lengths (context_tokens)")
     ap.add_argument("--samples", type=int, default=8, help="eval-split prompts per task and length")
     ap.add_argument("--reference", type=int, required=True, help="the prompt length the router was trained at")
+    ap.add_argument("--score", action="store_true", help="also generate and score (as is, moved, full attention)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     recipe, registry = load_recipe(args.recipe), get_registry()
     model, tok = load_model(recipe.model, registry=registry)
     elastic = load_adapter(model, args.adapter, registry=registry, base_model=recipe.model.name)
     elastic.eval()
-    router, decide, moving = elastic.router, elastic.router.decide, [False]
-    window = router.config.pool_tokens
+    decide, moving = elastic.router.decide, [False]
+    window = elastic.router.config.pool_tokens
 
     def probe(layer, keys, seq):
         if moving[0]:
             keys = move_last_window(keys, model.model.rotary_emb, window, args.reference)
         return decide(layer, keys, seq)
 
-    router.decide = probe
+    elastic.router.decide = probe
     entries = {e.task.name: e for e in recipe.train.tasks}
     unknown = sorted(set(args.tasks) - set(entries))
     if unknown:
@@ -83,11 +87,23 @@ def main() -> None:
             prompts = samples_from_dataset(task_dataset(registry.make("task", task), tok, seed=recipe.seed, split="eval"))
             row = {"task": name, "context_tokens": length,
                    "prompt_tokens": statistics.mean(len(p.input_ids) for p in prompts)}
+            plugin = registry.make("task", task)
             for moved in (False, True):
                 moving[0] = moved
                 msr = [r["msr"] for r in route_samples(elastic, tok, prompts, 1)]  # one at a time: no padding
                 key = "moved" if moved else "as_is"
                 row[f"msr_{key}"], row[f"msr_sd_{key}"] = statistics.mean(msr), statistics.pstdev(msr)
+                if args.score:  # batches of one: the moved window needs an unpadded prompt
+                    res = evaluate(elastic, tok, plugin, prompts, batch_size=1, max_new_tokens=plugin.max_new_tokens)
+                    row[f"score_{key}"] = [r.score for r in res.results]
+            if args.score:
+                elastic.unwrap()
+                res = evaluate(model, tok, plugin, prompts, batch_size=1, max_new_tokens=plugin.max_new_tokens)
+                row["score_full"] = [r.score for r in res.results]
+                elastic = load_adapter(model, args.adapter, registry=registry, base_model=recipe.model.name)
+                elastic.eval()
+                decide = elastic.router.decide
+                elastic.router.decide = probe
             rows.append(row)
             print(json.dumps(row), flush=True)
     out = {"adapter": args.adapter, "recipe": args.recipe, "reference": args.reference, "pool_tokens": window,
