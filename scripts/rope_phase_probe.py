@@ -11,6 +11,9 @@ once moved, the length effect is the rotation's, not the content's. ``--score`` 
 answer to each prompt, as it is, moved, and under full attention (the plain model), and scores it
 with the task's metric: whether moving the window also gives back what the length took.
 
+A router that pools unrotated keys (``pool_keys: unrotated``) reads no position: the probe routes
+and scores its prompts as they are only (``probe_variants``), and its rows have no ``moved`` entries.
+
     python scripts/rope_phase_probe.py results/train/smollm2-fa-ssa/mlp/adapter \\
         recipes/train/smollm2-fa-ssa.yaml --tasks passkey code_completion --lengths 500 1000 2500 \\
         --samples 8 --reference 1000 --out results/train/smollm2-fa-ssa/rope_phase_probe.json
@@ -52,6 +55,13 @@ def move_last_window(keys: torch.Tensor, rotary: torch.nn.Module, window: int, r
     return torch.cat([keys[:, :, : s - window], moved.to(keys.dtype)], dim=2)
 
 
+def probe_variants(router: torch.nn.Module) -> tuple[bool, ...]:
+    """The routings to probe, ``moved`` or not: both for a router that reads the rotated keys; only
+    as is for one that reads them unrotated (its keys carry no position to move; moving them would
+    rotate keys that hold no rotation)."""
+    return (False,) if getattr(router, "reads_unrotated_keys", False) else (False, True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("adapter")
@@ -88,7 +98,7 @@ def main() -> None:
             row = {"task": name, "context_tokens": length,
                    "prompt_tokens": statistics.mean(len(p.input_ids) for p in prompts)}
             plugin = registry.make("task", task)
-            for moved in (False, True):
+            for moved in probe_variants(elastic.router):
                 moving[0] = moved
                 msr = [r["msr"] for r in route_samples(elastic, tok, prompts, 1)]  # one at a time: no padding
                 key = "moved" if moved else "as_is"

@@ -57,6 +57,8 @@ def main() -> int:
     p.add_argument("--tasks", nargs="+", default=None, help="task labels of the recipe's train.tasks (default: all)")
     p.add_argument("--compare", type=Path, default=None, help="a summary.json of the same recipe's held-back run")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a recipe override (repeatable), e.g. train.tasks.0.task.context_tokens=2500")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     if not 0.0 <= args.msr <= 1.0:
@@ -64,7 +66,7 @@ def main() -> int:
     heads, reached = full_heads(args.adapter, args.msr)
     overrides = [f"model.device={args.device}", "elastic.router.name=fixed", "elastic.router.assign=retrieval_heads",
                  "elastic.router.heads=" + json.dumps([list(h) for h in heads])]
-    recipe = load_recipe(args.recipe, overrides)
+    recipe = load_recipe(args.recipe, [*args.set, *overrides])
     registry = get_registry()
     model, tok = load_model(recipe.model, registry=registry)
     elastic = make_elastic(model, tok, recipe.elastic, registry=registry, base_model_name=recipe.model.name)

@@ -53,3 +53,12 @@ def test_moved_window_equals_the_keys_at_the_reference_positions():
     layer = next(iter(plain))
     same = probe.move_last_window(plain[layer], model.model.rotary_emb, window, 40)
     assert torch.allclose(same, plain[layer], atol=1e-5)
+
+
+def test_a_router_of_unrotated_keys_is_probed_as_is_only():
+    def router(pool_keys):
+        section = validate_recipe_data({"elastic": {**MODES, "router": {"name": "mlp", "pool_keys": pool_keys}}})
+        return ElasticModel(tiny_model("llama"), section.elastic).router
+
+    assert probe.probe_variants(router("rotated")) == (False, True)
+    assert probe.probe_variants(router("unrotated")) == (False,)
