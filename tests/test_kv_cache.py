@@ -16,7 +16,7 @@ from elasticfw.attention.mode import AttentionMode, DecodeKeep
 from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import ElasticError, UnsupportedInputError
 from elasticfw.model.elastic import ElasticModel
-from elasticfw.model.kv_cache import ElasticKVCache, ElasticKVLayer
+from elasticfw.model.kv_cache import DecodeMasks, ElasticKVCache, ElasticKVLayer
 from elasticfw.recipe import validate_recipe_data
 from elasticfw.registry import get_registry
 from elasticfw.routing.base import RouterDecision
@@ -163,6 +163,55 @@ def test_chunks_after_the_prefill():
         if kv_cache == "compact":
             assert int(cache.kept_tokens(0)[0, 0]) == expected_kept(70 + 9)
     assert torch.allclose(logits[0], logits[1], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("router", [ALL_SPARSE, MIXED], ids=["all_streaming", "mixed"])
+@pytest.mark.parametrize("granularity", ["block", "token"])
+def test_a_batch_of_equal_lengths_generates_as_the_full_cache(router, granularity):
+    """Samples of one length: the new tokens' positions are host integers, written in place into
+    the stores, and the compact stores' mask is built once per step for every layer. 48 new tokens
+    wrap the ring; the block window drops between 0 and bs - 1 of its oldest slots."""
+    sparse = streaming(granularity) if granularity == "block" else streaming("token", sink=5, local=21)
+    full, compact, _, _ = generate_both("llama", router, [70, 70, 70], new=48, sparse=sparse)
+    assert torch.equal(full, compact)
+
+
+def test_a_chunk_after_an_equal_length_prefill():
+    """Several tokens in one step after a prefill of equal lengths (positions from host integers)."""
+    ids = torch.randint(3, 250, (2, 70), generator=torch.Generator().manual_seed(5))
+    more = torch.randint(3, 250, (2, 9), generator=torch.Generator().manual_seed(1))
+    logits = []
+    for kv_cache in ("full", "compact"):
+        elastic = ElasticModel(tiny_model("qwen2"), section(MIXED, kv_cache))
+        cache = elastic.make_kv_cache() if kv_cache == "compact" else None
+        with torch.no_grad():
+            cache = elastic(input_ids=ids, cache=cache, use_cache=True).past_key_values
+            logits.append(elastic(input_ids=more, cache=cache, use_cache=True).logits)
+    assert torch.allclose(logits[0], logits[1], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("granularity", [1, 4])
+def test_the_steps_shared_mask_by_hand(granularity):
+    """DecodeMasks against the slots written out by hand: slot s < sink holds s; ring slot r holds the
+    latest position j <= p with j >= sink and (j - sink) % local == r; the query at p reads j iff
+    j <= p and (j < sink or j >= (p // g + 1) * g - local)."""
+    sink, local = 4, 8
+    keep = DecodeKeep(sink, local, granularity)
+    masks = DecodeMasks()
+    for slots in (6, 12):  # a store not yet grown to its capacity, and a full one
+        for p in range(0, 40):
+            held = []
+            for s in range(slots):
+                if s < sink:
+                    held.append(s if s <= p else -1)
+                else:
+                    ring = [j for j in range(sink, p + 1) if (j - sink) % local == s - sink]
+                    held.append(ring[-1] if ring else -1)
+            start = (p // granularity + 1) * granularity - local
+            want = [j >= 0 and j <= p and (j < sink or j >= start) for j in held]
+            got = masks.visible(keep, p, slots, torch.device("cpu"))
+            assert got.shape == (1, 1, 1, slots)
+            assert got.flatten().tolist() == want, (slots, p)
 
 
 def decode_logits(elastic: ElasticModel, cache, steps: int = 12) -> torch.Tensor:

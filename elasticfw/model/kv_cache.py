@@ -109,12 +109,47 @@ class _Store:
 
     def write_at(self, position: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one token at the same host-known ``position`` for every pair (slice writes, no index
-        tensors): ``k`` / ``v`` (N, D)."""
+        tensors): ``k`` / ``v`` (N, D), or (B, n, D) for a store whose pairs are every sample's heads
+        ``span`` (written in place through a view, without gathering them into N rows first)."""
         slot = self.slot_at(position)
-        self.keys[:, slot] = k.to(self.keys.dtype)
-        self.values[:, slot] = v.to(self.values.dtype)
+        keys, values = self.keys, self.values
+        if k.dim() == 3:
+            keys = keys.view(k.shape[0], k.shape[1], *keys.shape[1:])
+            values = values.view(v.shape[0], v.shape[1], *values.shape[1:])
+            keys[:, :, slot] = k.to(keys.dtype)
+            values[:, :, slot] = v.to(values.dtype)
+        else:
+            keys[:, slot] = k.to(keys.dtype)
+            values[:, slot] = v.to(values.dtype)
         if self.positions is not None:
             self.positions[:, slot] = position
+
+
+class DecodeMasks:
+    """The decode step's compact-store masks, shared by the layers of one cache.
+
+    When every sample is as long (known on the host), every row of a compact store holds the same
+    positions, :func:`_prefill_positions` of the step's length, in every layer: the slots a query
+    at position ``p`` reads are a function of the mode's :class:`DecodeKeep`, ``p`` and the slot
+    count alone. This keeps that (1, 1, 1, slots) mask for the step, so it is built once per step
+    and keep instead of once per layer (about ten small device operations each). Only the last
+    step's masks are kept."""
+
+    def __init__(self) -> None:
+        self._position: int | None = None
+        self._masks: dict[tuple[DecodeKeep, int, torch.device], torch.Tensor] = {}
+
+    def visible(self, keep: DecodeKeep, position: int, slots: int, device: torch.device) -> torch.Tensor:
+        """(1, 1, 1, slots) bool: which slots of a compact store of ``keep`` a query at ``position``
+        reads, once the store holds every position up to ``position``."""
+        if position != self._position:
+            self._position, self._masks = position, {}
+        key = (keep, slots, device)
+        mask = self._masks.get(key)
+        if mask is None:
+            held = _prefill_positions(keep, torch.tensor([position + 1], device=device), slots)
+            mask = self._masks[key] = keep.visible(held, position).view(1, 1, 1, slots)
+        return mask
 
 
 def _prefill_positions(keep: DecodeKeep, lengths: torch.Tensor, slots: int) -> torch.Tensor:
@@ -145,13 +180,18 @@ class ElasticKVLayer(DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, runtime: ElasticRuntime, layer_idx: int, growth_tokens: int = GROWTH_TOKENS) -> None:
+    def __init__(
+        self, runtime: ElasticRuntime, layer_idx: int, growth_tokens: int = GROWTH_TOKENS,
+        masks: DecodeMasks | None = None,
+    ) -> None:
         super().__init__()
         if growth_tokens < 1:
             raise ValueError(f"growth_tokens must be >= 1, got {growth_tokens}")
         self.runtime = runtime
         self.layer_idx = layer_idx
         self.growth = growth_tokens
+        #: the step's compact-store masks, shared with the cache's other layers
+        self.masks = masks if masks is not None else DecodeMasks()
         self.stores: list[_Store] | None = None
         self.total = 0  # tokens transformers has passed through (padding included): its sequence length
         self.lengths: list[int] = []  # real tokens per sample (host)
@@ -313,29 +353,35 @@ class ElasticKVLayer(DynamicLayer):
         hkv = k_new.shape[1]
         self._check_new_tokens(info, steps)
         group = hq // hkv
-        positions = self.lengths_t[:, None] + torch.arange(steps, device=q.device)[None, :]  # (B, S)
         longest = max(self.lengths, default=0) + steps
         # every sample as long (known on the host): the new tokens' positions are host integers
         first = self.lengths[0] if self.lengths and all(n == self.lengths[0] for n in self.lengths) else None
+        positions = None  # (B, S) on the device, only where the samples' lengths differ
+        if first is None:
+            positions = self.lengths_t[:, None] + torch.arange(steps, device=q.device)[None, :]
         qg_all = q.reshape(batch, hkv, group, steps, q.shape[-1])
         out = q.new_empty(batch, hkv, group, steps, v_new.shape[-1])
         for store in self.stores:
             b, h = store.samples, store.heads
+            pos: torch.Tensor | None = None  # (N, S)
             if store.span is not None:  # slices of every sample's heads h0 .. h1 - 1
                 h0, h1 = store.span
                 qg = qg_all[:, h0:h1].flatten(0, 1)  # (N, G, S, D)
-                kn, vn = k_new[:, h0:h1].flatten(0, 1), v_new[:, h0:h1].flatten(0, 1)  # (N, S, D)
-                pos = positions.repeat_interleave(h1 - h0, 0)  # (N, S)
+                kb, vb = k_new[:, h0:h1], v_new[:, h0:h1]  # (B, n, S, D): written in place at host positions
+                if positions is not None:
+                    pos = positions.repeat_interleave(h1 - h0, 0)
             else:
-                qg, pos = qg_all[b, h], positions[b]
-                kn, vn = k_new[b, h], v_new[b, h]
+                qg, kb, vb = qg_all[b, h], k_new[b, h], v_new[b, h]  # (N, G, S, D), (N, S, D)
+                if positions is not None:
+                    pos = positions[b]
             if store.keep is None:
                 store.reserve(longest, self.growth)
                 for i in range(steps):
-                    if first is not None:
-                        store.write_at(first + i, kn[:, i], vn[:, i])
+                    if pos is None:
+                        store.write_at(first + i, kb[..., i, :], vb[..., i, :])
                     else:
-                        store.write(pos[:, i], kn[:, i], vn[:, i])
+                        store.write(pos[:, i], kb[..., i, :].reshape(-1, kb.shape[-1]),
+                                    vb[..., i, :].reshape(-1, vb.shape[-1]))
                 if first is not None:  # every sample as long
                     seq = SeqInfo.dense(len(b), steps, longest, q.device)
                 else:
@@ -345,7 +391,7 @@ class ElasticKVLayer(DynamicLayer):
                 layout = self.runtime.layout_for(store.mode, qg, keys, seq, scale=scale)
                 result = store.mode.attend(qg, keys, values, seq, executor, scale=scale, layout=layout).out
             else:
-                result = self._attend_compact(store, qg, pos, kn, vn, scale, longest, first)
+                result = self._attend_compact(store, qg, pos, kb, vb, scale, longest, first)
             if store.span is not None:
                 out[:, store.span[0] : store.span[1]] = result.view(batch, -1, *result.shape[1:]).to(out.dtype)
             else:
@@ -355,37 +401,44 @@ class ElasticKVLayer(DynamicLayer):
         return out.reshape(batch, hq, steps, out.shape[-1])
 
     def _attend_compact(
-        self, store: _Store, qg: torch.Tensor, pos: torch.Tensor, kn: torch.Tensor, vn: torch.Tensor,
+        self, store: _Store, qg: torch.Tensor, pos: torch.Tensor | None, kb: torch.Tensor, vb: torch.Tensor,
         scale: float, longest: int, first: int | None,
     ) -> torch.Tensor:
-        """A compact store's decode attention: a softmax over the slots its mode reads. ``first``: the
-        new tokens' first position when every sample has it (host), else ``None``."""
+        """A compact store's decode attention: a softmax over the slots its mode reads. ``kb`` / ``vb``:
+        the new tokens, (N, S, D) or, for a store of every sample's heads ``span``, (B, n, S, D);
+        ``pos`` (N, S) their positions, ``None`` when every sample has the host-known ``first``."""
         keep = store.keep
         assert keep is not None and store.positions is not None
-        steps = pos.shape[1]
+        steps, n = kb.shape[-2], qg.shape[0]
         if steps == 1:  # write first: the ring slot it overwrites is not readable any more
             store.reserve(longest, self.growth)
-            if first is not None:
-                store.write_at(first, kn[:, 0], vn[:, 0])
+            if pos is None:
+                store.write_at(first, kb[..., 0, :], vb[..., 0, :])
             else:
-                store.write(pos[:, 0], kn[:, 0], vn[:, 0])
+                store.write(pos[:, 0], kb[..., 0, :].reshape(n, -1), vb[..., 0, :].reshape(n, -1))
             keys, values, held = store.keys, store.values, store.positions
             mask = None
             if keep.granularity > 1 or min(self.lengths) + 1 < keep.capacity:
-                mask = keep.visible(held[:, None, None, :], pos[:, None, :, None])  # (N, 1, 1, slots)
+                if pos is None:  # every row holds the same positions: the step's mask, shared by the layers
+                    mask = self.masks.visible(keep, first, held.shape[1], held.device)  # (1, 1, 1, slots)
+                else:
+                    mask = keep.visible(held[:, None, None, :], pos[:, None, :, None])  # (N, 1, 1, slots)
             # else every sample's sink and ring are full and the ring holds the last `local` positions,
             # exactly the token window of the new query: every slot is read, no mask.
             # The group's query heads read the same keys and slots: one KV head, the heads as its rows
             # (no GQA broadcast, so SDPA keeps a fused kernel with a mask too)
-            n, group = qg.shape[0], qg.shape[1]
+            group = qg.shape[1]
             out = F.scaled_dot_product_attention(
                 qg.to(keys.dtype).reshape(n, 1, group, -1), keys[:, None], values[:, None], attn_mask=mask, scale=scale
             )
             return out.reshape(n, group, 1, -1)
-        else:  # earlier queries of the chunk may still read what the later tokens overwrite
-            keys = torch.cat([store.keys, kn.to(store.keys.dtype)], dim=1)
-            values = torch.cat([store.values, vn.to(store.values.dtype)], dim=1)
-            held = torch.cat([store.positions, pos.to(store.positions.dtype)], dim=1)
+        # several tokens: earlier queries of the chunk may still read what the later tokens overwrite
+        kn, vn = kb.reshape(n, steps, -1), vb.reshape(n, steps, -1)
+        if pos is None:
+            pos = (first + torch.arange(steps, device=qg.device)).expand(n, steps)
+        keys = torch.cat([store.keys, kn.to(store.keys.dtype)], dim=1)
+        values = torch.cat([store.values, vn.to(store.values.dtype)], dim=1)
+        held = torch.cat([store.positions, pos.to(store.positions.dtype)], dim=1)
         mask = keep.visible(held[:, None, None, :], pos[:, None, :, None])  # (N, 1, S, slots)
         dtype = keys.dtype
         result = F.scaled_dot_product_attention(
@@ -449,10 +502,11 @@ class ElasticKVCache(Cache):
             raise ElasticError(
                 f"the backbone's cache has {len(layers)} layers but the elastic model {runtime.num_layers}"
             )
+        masks = DecodeMasks()
         for i, layer in enumerate(layers):
             windowed = getattr(layer, "is_sliding", False) or elastic.adapter.sliding_window(model, i) is not None
             if i in runtime.routed and not windowed:
-                layers[i] = ElasticKVLayer(runtime, i, growth_tokens)
+                layers[i] = ElasticKVLayer(runtime, i, growth_tokens, masks)
         super().__init__(layers=layers)
 
     def elastic_layers(self) -> dict[int, ElasticKVLayer]:
