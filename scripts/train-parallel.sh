@@ -5,6 +5,8 @@
 #   bash scripts/device-session.sh run -- bash scripts/train-parallel.sh \
 #       "NAME|RECIPE|override override ..." "NAME2|RECIPE2|..." ...
 # Each run writes /tmp/elasticfw-device/train/NAME (elasticfw train RECIPE --overwrite --output ...).
+# GPU memory is shared: on one H100 (80 GB) two SmolLM2 runs at micro_batch_size 16 and a third
+# (three modes, micro_batch_size 8) ran out of memory together (2026-12-07); two at a time fit.
 # A call lasts at most 10 minutes, so longer runs span calls while the machine stays warm:
 #   DEADLINE=540  stop every run (SIGTERM) 540 s after this script started; each keeps its last
 #                 checkpoint (pass train.checkpoint_every=10 or so among the overrides)
