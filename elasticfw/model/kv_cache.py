@@ -147,8 +147,9 @@ class DecodeMasks:
         key = (keep, slots, device)
         mask = self._masks.get(key)
         if mask is None:
-            held = _prefill_positions(keep, torch.tensor([position + 1], device=device), slots)
-            mask = self._masks[key] = keep.visible(held, position).view(1, 1, 1, slots)
+            at = torch.tensor([position], device=device)
+            held = _prefill_positions(keep, at + 1, slots)
+            mask = self._masks[key] = keep.visible(held, at).view(1, 1, 1, slots)
         return mask
 
 
@@ -377,9 +378,10 @@ class ElasticKVLayer(DynamicLayer):
             if store.keep is None:
                 store.reserve(longest, self.growth)
                 for i in range(steps):
-                    if pos is None:
+                    if first is not None:
                         store.write_at(first + i, kb[..., i, :], vb[..., i, :])
                     else:
+                        assert pos is not None
                         store.write(pos[:, i], kb[..., i, :].reshape(-1, kb.shape[-1]),
                                     vb[..., i, :].reshape(-1, vb.shape[-1]))
                 if first is not None:  # every sample as long
@@ -412,16 +414,18 @@ class ElasticKVLayer(DynamicLayer):
         steps, n = kb.shape[-2], qg.shape[0]
         if steps == 1:  # write first: the ring slot it overwrites is not readable any more
             store.reserve(longest, self.growth)
-            if pos is None:
+            if first is not None and pos is None:
                 store.write_at(first, kb[..., 0, :], vb[..., 0, :])
             else:
+                assert pos is not None
                 store.write(pos[:, 0], kb[..., 0, :].reshape(n, -1), vb[..., 0, :].reshape(n, -1))
             keys, values, held = store.keys, store.values, store.positions
             mask = None
             if keep.granularity > 1 or min(self.lengths) + 1 < keep.capacity:
-                if pos is None:  # every row holds the same positions: the step's mask, shared by the layers
+                if first is not None and pos is None:  # every row holds the same positions: the step's mask
                     mask = self.masks.visible(keep, first, held.shape[1], held.device)  # (1, 1, 1, slots)
                 else:
+                    assert pos is not None
                     mask = keep.visible(held[:, None, None, :], pos[:, None, :, None])  # (N, 1, 1, slots)
             # else every sample's sink and ring are full and the ring holds the last `local` positions,
             # exactly the token window of the new query: every slot is read, no mask.
@@ -435,6 +439,7 @@ class ElasticKVLayer(DynamicLayer):
         # several tokens: earlier queries of the chunk may still read what the later tokens overwrite
         kn, vn = kb.reshape(n, steps, -1), vb.reshape(n, steps, -1)
         if pos is None:
+            assert first is not None
             pos = (first + torch.arange(steps, device=qg.device)).expand(n, steps)
         keys = torch.cat([store.keys, kn.to(store.keys.dtype)], dim=1)
         values = torch.cat([store.values, vn.to(store.values.dtype)], dim=1)
