@@ -38,6 +38,8 @@ from elasticfw.training.evaluate import score_intervals
 def run_shares(summary: dict[str, Any], sample: dict[str, Any], mode_names: list[str]) -> dict[str, float]:
     """Mode name -> share of the routed heads for one per-sample record."""
     names = summary["modes"].split("-")
+    if len(set(names)) != len(names):
+        raise ValueError(f"run of modes {summary['modes']!r}: a mode named twice cannot be told apart by name")
     if "shares" in sample:
         return dict(zip(names, sample["shares"], strict=True))
     if len(names) != 2:
@@ -99,12 +101,13 @@ def main() -> int:
     ap.add_argument("--router", default="mlp", help="the router of each summary's details (default mlp)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    runs = {}
+    paths: dict[str, str] = {}
     for spec in args.run:
         label, sep, path = spec.partition("=")
         if not sep:
             raise SystemExit(f"--run {spec!r}: expected LABEL=SUMMARY")
-        runs[label] = json.loads(Path(path).read_text())
+        paths[label] = path
+    runs = {label: json.loads(Path(path).read_text()) for label, path in paths.items()}
     recipe, registry = load_recipe(args.recipe), get_registry()
     costs = ModeCosts([registry.make("sparse_mode", config) for config in recipe.elastic.mode_configs()])
     table = compare(runs, costs, args.reference, args.router)
@@ -113,7 +116,7 @@ def main() -> int:
             diff = row.get("reference_minus_this")
             extra = f"  {args.reference} - this {diff['diff']:+.3f} [{diff['diff_ci'][0]:+.3f}, {diff['diff_ci'][1]:+.3f}]" if diff else ""
             print(f"{task:16s} {label:12s} cost {row['cost']:.3f} density {row['density']:.3f} score {row['score']:.3f}{extra}")
-    out = {"recipe": args.recipe, "runs": {k: v for k, v in (s.split("=", 1) for s in args.run)},
+    out = {"recipe": args.recipe, "runs": paths,
            "reference": args.reference, "mode_costs_at_1000": dict(zip((m.name for m in costs.modes), costs.at(1000))),
            "tasks": table}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -37,6 +37,7 @@ from elasticfw.model.rotary import rotate_half, unrotate
 from elasticfw.provenance import environment
 from elasticfw.recipe import load_recipe
 from elasticfw.registry import get_registry
+from elasticfw.routing.base import Router
 from elasticfw.training.inspect import route_samples
 
 
@@ -55,11 +56,11 @@ def move_last_window(keys: torch.Tensor, rotary: torch.nn.Module, window: int, r
     return torch.cat([keys[:, :, : s - window], moved.to(keys.dtype)], dim=2)
 
 
-def probe_variants(router: torch.nn.Module) -> tuple[bool, ...]:
+def probe_variants(router: Router) -> tuple[bool, ...]:
     """The routings to probe, ``moved`` or not: both for a router that reads the rotated keys; only
     as is for one that reads them unrotated (its keys carry no position to move; moving them would
     rotate keys that hold no rotation)."""
-    return (False,) if getattr(router, "reads_unrotated_keys", False) else (False, True)
+    return (False,) if router.reads_unrotated_keys else (False, True)
 
 
 def main() -> None:

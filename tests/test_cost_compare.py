@@ -73,5 +73,8 @@ def test_a_mode_without_a_cost_and_an_unknown_reference_are_refused():
     nsa = run("full-nsa", [sample(1.0, 0.5, 0.2, 100)])
     with pytest.raises(ValueError, match="not among the cost recipe"):
         cc.compare({"three": THREE, "nsa": nsa}, costs(), "three")
+    twice = run("streaming-streaming", [sample(1.0, 0.5, 0.2, 100, [0.5, 0.5])])
+    with pytest.raises(ValueError, match="a mode named twice"):
+        cc.compare({"three": THREE, "twice": twice}, costs(), "three")
     with pytest.raises(ValueError, match="--reference 'four'"):
         cc.compare({"three": THREE}, costs(), "four")

@@ -408,13 +408,14 @@ class ElasticKVLayer(DynamicLayer):
     ) -> torch.Tensor:
         """A compact store's decode attention: a softmax over the slots its mode reads. ``kb`` / ``vb``:
         the new tokens, (N, S, D) or, for a store of every sample's heads ``span``, (B, n, S, D);
-        ``pos`` (N, S) their positions, ``None`` when every sample has the host-known ``first``."""
+        ``pos`` (N, S) their positions where the samples' lengths differ (``first`` is then ``None``),
+        else ``None`` and ``first`` the host-known position every sample's first new token has."""
         keep = store.keep
         assert keep is not None and store.positions is not None
         steps, n = kb.shape[-2], qg.shape[0]
         if steps == 1:  # write first: the ring slot it overwrites is not readable any more
             store.reserve(longest, self.growth)
-            if first is not None and pos is None:
+            if first is not None:  # every sample as long: `pos` is None
                 store.write_at(first, kb[..., 0, :], vb[..., 0, :])
             else:
                 assert pos is not None
@@ -422,7 +423,7 @@ class ElasticKVLayer(DynamicLayer):
             keys, values, held = store.keys, store.values, store.positions
             mask = None
             if keep.granularity > 1 or min(self.lengths) + 1 < keep.capacity:
-                if first is not None and pos is None:  # every row holds the same positions: the step's mask
+                if first is not None:  # every row holds the same positions: the step's mask
                     mask = self.masks.visible(keep, first, held.shape[1], held.device)  # (1, 1, 1, slots)
                 else:
                     assert pos is not None
@@ -438,9 +439,9 @@ class ElasticKVLayer(DynamicLayer):
             return out.reshape(n, group, 1, -1)
         # several tokens: earlier queries of the chunk may still read what the later tokens overwrite
         kn, vn = kb.reshape(n, steps, -1), vb.reshape(n, steps, -1)
-        if pos is None:
-            assert first is not None
+        if first is not None:
             pos = (first + torch.arange(steps, device=qg.device)).expand(n, steps)
+        assert pos is not None
         keys = torch.cat([store.keys, kn.to(store.keys.dtype)], dim=1)
         values = torch.cat([store.values, vn.to(store.values.dtype)], dim=1)
         held = torch.cat([store.positions, pos.to(store.positions.dtype)], dim=1)
