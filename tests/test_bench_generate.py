@@ -25,7 +25,10 @@ SMOKE = ["bench", "generate", "--device", "cpu", "--dtype", "fp32", "--model", "
          "--batch", "1", "2", "--layers", "1", "--new-tokens", str(NEW), "--msr", "0.5", "--sink", "16", "--local",
          "32", "--block-size", "16", "--warmup", "1", "--reps", "1", "--max-prefill-tokens", "100",
          "--prefill-chunk", "64"]
-ELASTIC = ("elastic:split:fa-ssa:msr=0.5:full_cache", "elastic:split:fa-ssa:msr=0.5:compact_cache")
+ELASTIC = ("elastic:split:fa-ssa:msr=0.5:full_cache", "elastic:split:fa-ssa:msr=0.5:compact_cache",
+           "elastic:static:fa-ssa:msr=0.5:compact_cache")
+#: static decoding with every head full: its MSR is 0 and its tokens are dense attention's
+STATIC_FULL = "full-heads:static:compact_cache"
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +59,7 @@ def test_the_json_records_every_variant_its_ratios_and_the_environment(smoke):
     assert out.with_suffix(".png").stat().st_size > 0
     for batch, chunk, forwards in ((1, None, 1), (2, 64, 2)):
         rows = _rows(data, batch)
-        assert set(rows) == {"dense:sdpa", "dense:flash_attention_2", *ELASTIC}
+        assert set(rows) == {"dense:sdpa", "dense:flash_attention_2", *ELASTIC, STATIC_FULL}
         try:
             import flash_attn  # noqa: F401
         except ImportError:
@@ -66,7 +69,7 @@ def test_the_json_records_every_variant_its_ratios_and_the_environment(smoke):
         dense = rows["dense:sdpa"]
         base = data["baselines"][f"tiny-llama/{SEQ}/{batch}"]
         assert base["decode_step_ms"] == dense["decode_step_ms"] and base["ttft_ms_variant"] == "dense:sdpa"
-        for name in ("dense:sdpa", *ELASTIC):
+        for name in ("dense:sdpa", *ELASTIC, STATIC_FULL):
             r = rows[name]
             assert r["error"] is None and r["skipped"] is None and r["layers"] == 1 and r["new_tokens"] == NEW
             assert (r["prefill_chunk"], r["prefill_forwards"]) == (chunk, forwards)
@@ -82,6 +85,13 @@ def test_the_json_records_every_variant_its_ratios_and_the_environment(smoke):
         for name in ELASTIC:
             assert rows[name]["msr"] == 0.5
             assert (rows[name]["esr"] is None) == (chunk is not None)  # a chunked prefill's ESR is not recorded
+        assert rows[STATIC_FULL]["msr"] == 0.0
+        # the static rows over the static full-heads row, recomputed; their tokens against the eager row's
+        for name in ("dense:sdpa", *ELASTIC):
+            r = rows[name]
+            assert r["decode_step_over_static_full"] == pytest.approx(
+                r["decode_step_ms"] / rows[STATIC_FULL]["decode_step_ms"])
+        assert rows["elastic:static:fa-ssa:msr=0.5:compact_cache"]["tokens_equal_eager_compact"] == 1.0
 
 
 def test_the_generated_tokens_equal_an_independent_greedy_generation(smoke):
@@ -108,6 +118,7 @@ def test_the_generated_tokens_equal_an_independent_greedy_generation(smoke):
             elastic.unwrap()
         rows = _rows(data, batch)
         assert rows["dense:sdpa"]["tokens"] == dense
+        assert rows[STATIC_FULL]["tokens"] == dense  # every head full, decoded by the static path
         for name in ELASTIC:
             assert rows[name]["tokens"] == sparse, name
         assert sparse != dense  # the streaming head drops keys at 96 tokens: a different answer
@@ -119,11 +130,12 @@ def test_a_failing_variant_is_recorded_and_the_exit_status_is_1(tmp_path):
                         "--layers", "1", "--new-tokens", "2", "--executor", "no_such_executor", "--reps", "1",
                         "--out", str(out)])
     data = json.loads(out.read_text())
-    assert rc == 1 and len(data["failures"]) == 2 and data["complete"]
+    assert rc == 1 and len(data["failures"]) == 4 and data["complete"]
     rows = _rows(data, 1)
     assert rows["dense:sdpa"]["error"] is None and rows["dense:sdpa"]["ttft_ms"] > 0
-    for cache in ("full", "compact"):
-        row = rows[f"elastic:no_such_executor:fa-ssa:msr=1:{cache}_cache"]  # 0.875 of 2 KV heads: all streaming
+    for name in ("elastic:no_such_executor:fa-ssa:msr=1:full_cache", "elastic:no_such_executor:fa-ssa:msr=1:compact_cache",
+                 "elastic:static:fa-ssa:msr=1:compact_cache", STATIC_FULL):  # 0.875 of 2 KV heads: all streaming
+        row = rows[name]
         assert "no_such_executor" in row["error"] and "ttft_ms" not in row
     assert generate.main(["--device", "cpu", "--reps", "0", "--out", str(tmp_path / "x.json")]) == 2
 

@@ -89,18 +89,51 @@ def greedy_generate(model: Any, ids: torch.Tensor, new_tokens: int, cache: Any, 
     return torch.cat(tokens, dim=1), clock.intervals_ms()
 
 
+@torch.no_grad()
+def static_generate(model: Any, ids: torch.Tensor, new_tokens: int, cache: Any, device: torch.device, *,
+                    chunk: int | None = None, prefill_context: Callable[[], Any] = contextlib.nullcontext,
+                    decode_context: Callable[[], Any] = contextlib.nullcontext) -> tuple[torch.Tensor, list[float]]:
+    """:func:`greedy_generate` with the decode steps of a
+    :class:`~elasticfw.model.static_decode.StaticDecoder` (on CUDA: eager warm-up steps, then one
+    captured CUDA graph replayed per step). The decoder's set-up (its stores grown for every step)
+    counts in the first decode step, the capture in the step it precedes."""
+    from elasticfw.model.static_decode import StaticDecoder
+
+    with_cache = {cache_argument(getattr(model, "base", model)): cache}
+    clock = DeviceClock(device)
+    step = chunk or ids.shape[1]
+    sync(device)
+    clock.mark()
+    with prefill_context():
+        for start in range(0, ids.shape[1], step):
+            out = model(input_ids=ids[:, start:start + step], **with_cache, use_cache=True, logits_to_keep=1)
+    token = out.logits[:, -1:].argmax(-1)
+    del out
+    clock.mark()
+    if new_tokens == 1:
+        return token, clock.intervals_ms()
+    with decode_context(), StaticDecoder(model, cache, token, max_new_tokens=new_tokens - 1) as decoder:
+        for _ in range(new_tokens - 1):
+            decoder.step()
+            clock.mark()
+        tokens = torch.cat([token, decoder.tokens], dim=1)
+    return tokens, clock.intervals_ms()
+
+
 def time_variant(model: Any, ids: torch.Tensor, args: argparse.Namespace, device: torch.device, *,
                  make_cache: Callable[[], Any], chunk: int | None, prefill_context: Callable[[], Any],
                  first: Callable[[], None] | None = None, after_first: Callable[[], None] | None = None,
-                 before: Callable[[], None] | None = None) -> dict[str, Any]:
+                 before: Callable[[], None] | None = None, static: bool = False) -> dict[str, Any]:
     """``--warmup`` generations of :data:`WARMUP_TOKENS` tokens (the first timed apart as
     ``first_call_s``; ``first`` runs before it and ``after_first`` after it), then ``--reps`` timed
     generations of ``--new-tokens``, each into a fresh ``make_cache()`` (``before`` runs, untimed,
-    before each generation after the first) with the peak memory counted from its start."""
+    before each generation after the first) with the peak memory counted from its start.
+    ``static``: decode with :func:`static_generate` instead of :func:`greedy_generate`."""
     def generate(tokens: int) -> tuple[torch.Tensor, list[float], Any]:
         cache = make_cache()
-        out, ms = greedy_generate(model, ids, tokens, cache, device, chunk=chunk, prefill_context=prefill_context,
-                                  decode_context=lambda: decode_backends(args.decode_sdpa, device))
+        out, ms = (static_generate if static else greedy_generate)(
+            model, ids, tokens, cache, device, chunk=chunk, prefill_context=prefill_context,
+            decode_context=lambda: decode_backends(args.decode_sdpa, device))
         return out, ms, cache
 
     warm = min(args.new_tokens, WARMUP_TOKENS)
@@ -258,10 +291,25 @@ def bench_model(shape: str, args: argparse.Namespace, device: torch.device, repo
                     lambda row: dense_body(row, prefill.cudnn_first))
             run({"variant": "dense:flash_attention_2", "kind": "dense", "cache": "dynamic"}, flash_body)
 
-            for kv_cache in ("full", "compact"):
+            # (label, router, its MSR, KV cache, static decode): the elastic model with the full and the
+            # compact cache, then static decoding (a CUDA graph per step on CUDA) of the compact cache,
+            # beside the same static path with every head full (its baseline: dense attention decoded
+            # without the host's per-step work)
+            full_router, _ = prefill.fixed_router(0.0, layers, kv_heads)
+            elastic_variants = [
+                (f"elastic:{args.executor}:{hybrid}:full_cache", router, realised, "full", False),
+                (f"elastic:{args.executor}:{hybrid}:compact_cache", router, realised, "compact", False),
+            ]
+            if not args.no_static:
+                elastic_variants += [
+                    (f"elastic:static:{hybrid}:compact_cache", router, realised, "compact", True),
+                    ("full-heads:static:compact_cache", full_router, 0.0, "compact", True),
+                ]
+            for label, routing, msr, kv_cache, static in elastic_variants:
                 def elastic_body(row: dict[str, Any], kv_cache: str = kv_cache, ids: torch.Tensor = ids,
-                                 chunk: int | None = chunk) -> None:
-                    section = prefill.elastic_section(args, args.executor, router, "fa-ssa").model_copy(
+                                 chunk: int | None = chunk, routing: dict = routing, msr: float = msr,
+                                 static: bool = static) -> None:
+                    section = prefill.elastic_section(args, args.executor, routing, "fa-ssa").model_copy(
                         update={"kv_cache": kv_cache})
                     elastic = ElasticModel(model, section)
                     runtime = elastic.runtime
@@ -278,16 +326,28 @@ def bench_model(shape: str, args: argparse.Namespace, device: torch.device, repo
                         row.update(time_variant(
                             elastic, ids, args, device, chunk=chunk, prefill_context=contextlib.nullcontext,
                             make_cache=elastic.make_kv_cache if kv_cache == "compact" else dynamic_cache,
-                            first=stats_on, after_first=stats_off,
+                            first=stats_on, after_first=stats_off, static=static,
                             before=runtime.layout_cache.clear))  # each generation plans afresh, as a request does
                     finally:
                         elastic.unwrap()
-                    if abs(row["msr"] - realised) > 1e-6:
-                        raise AssertionError(f"routing gave MSR {row['msr']} instead of {realised}")
+                    if abs(row["msr"] - msr) > 1e-6:
+                        raise AssertionError(f"routing gave MSR {row['msr']} instead of {msr}")
 
-                run({"variant": f"elastic:{args.executor}:{hybrid}:{kv_cache}_cache", "kind": "elastic",
-                     "executor": args.executor, "config": "fa-ssa", "cache": kv_cache, "target_msr": args.msr},
+                run({"variant": label, "kind": "static" if static else "elastic", "executor": args.executor,
+                     "config": "fa-ssa", "cache": kv_cache, "target_msr": msr, "decode": "static" if static else "eager"},
                     elastic_body)
+            static_full = next((r for r in rows if r["variant"] == "full-heads:static:compact_cache"
+                                and r.get("decode_step_ms") and r.get("error") is None), None)
+            eager = next((r for r in rows if r["variant"].endswith(f"{hybrid}:compact_cache") and r.get("tokens")
+                          and r.get("decode") == "eager"), None)
+            for r in rows:
+                if r.get("decode") == "static" and r.get("tokens") and eager is not None and r["target_msr"] == realised:
+                    same = torch.tensor(r["tokens"]) == torch.tensor(eager["tokens"])
+                    r["tokens_equal_eager_compact"] = float(same.float().mean())
+                if static_full is not None and r.get("decode_step_ms") is not None:
+                    r["decode_step_over_static_full"] = r["decode_step_ms"] / static_full["decode_step_ms"]
+                    r["e2e_over_static_full"] = r["e2e_ms"] / static_full["e2e_ms"]
+            write()
 
 
 def plot(report: dict[str, Any], path: Path) -> Path | None:
@@ -347,6 +407,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a prefill of more than batch x length tokens runs in chunks of --prefill-chunk (0: never)")
     p.add_argument("--prefill-chunk", type=int, default=4096, help="prompt tokens per sample of each prefill chunk")
     p.add_argument("--plot", type=Path, default=None, help="PNG path (default: --out with .png)")
+    p.add_argument("--no-static", action="store_true",
+                   help="skip the static-decoding rows (elasticfw.model.static_decode: a CUDA graph per step on CUDA)")
 
 
 def check_arguments(args: argparse.Namespace) -> str | None:

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from elasticfw.model.bridge import KeyPaddingInfo
     from elasticfw.model.canonical import Canonical
     from elasticfw.model.runtime import ElasticRuntime
+    from elasticfw.model.static_decode import StaticMasks
 
 #: default growth of a full store, in tokens (a store is reallocated once per this many steps)
 GROWTH_TOKENS = 256
@@ -199,6 +200,8 @@ class ElasticKVLayer(DynamicLayer):
         self.lengths_t: torch.Tensor | None = None  # the same on the device
         self._incoming: tuple[torch.Tensor, torch.Tensor] | None = None
         self._checked_mask: KeyPaddingInfo | None = None
+        #: while frozen (:meth:`freeze`): the step's masks, whose ``position`` is the step's position
+        self.static: StaticMasks | None = None
 
     def __repr__(self) -> str:
         state = "compacted" if self.compacted else "dense"
@@ -222,7 +225,8 @@ class ElasticKVLayer(DynamicLayer):
             self.runtime.kv_handoff[self.layer_idx] = (self, keys)
             return keys, values
         self._incoming = (key_states, value_states)
-        self.total += int(key_states.shape[-2])
+        if self.static is None:  # a frozen layer's host lengths move on at unfreeze()
+            self.total += int(key_states.shape[-2])
         self.runtime.kv_handoff[self.layer_idx] = (self, key_states)
         return key_states, value_states
 
@@ -233,6 +237,8 @@ class ElasticKVLayer(DynamicLayer):
         return self.get_seq_length() + query_length, 0
 
     def reset(self) -> None:
+        if self.static is not None:
+            raise ElasticError(f"compact KV cache, layer {self.layer_idx}: reset while a static decoder holds it")
         self.stores = None
         self.total = 0
         self.lengths, self.lengths_t = [], None
@@ -350,6 +356,10 @@ class ElasticKVLayer(DynamicLayer):
                 "step does not, so the cache's tensors cannot be written: run every step under inference_mode, "
                 "or none"
             )
+        if self.static is not None:
+            from elasticfw.model.static_decode import attend_frozen
+
+            return attend_frozen(self, q, k_new, v_new, scale)
         batch, hq, steps, _ = q.shape
         hkv = k_new.shape[1]
         self._check_new_tokens(info, steps)
@@ -401,6 +411,30 @@ class ElasticKVLayer(DynamicLayer):
         self.lengths_t = self.lengths_t + steps
         self.lengths = [n + steps for n in self.lengths]
         return out.reshape(batch, hq, steps, out.shape[-1])
+
+    # -- frozen: fixed shapes, the position on the device (elasticfw.model.static_decode) --------
+    def freeze(self, masks: StaticMasks, capacity: int) -> None:
+        """Fix this layer's shapes for decode steps of one token up to ``capacity`` positions
+        (:func:`~elasticfw.model.static_decode.freeze_layer`); until :meth:`unfreeze`, steps write at
+        ``masks.position`` on the device and move no host lengths."""
+        from elasticfw.model.static_decode import freeze_layer
+
+        if self.stores is None or self.lengths_t is None:
+            raise ElasticError(f"compact KV cache, layer {self.layer_idx}: freeze before the prefill")
+        if self.static is not None:
+            raise ElasticError(f"compact KV cache, layer {self.layer_idx}: already frozen")
+        freeze_layer(self, masks, capacity)
+        self.static = masks
+
+    def unfreeze(self, steps: int) -> None:
+        """Back to ordinary steps after ``steps`` frozen ones: the host lengths move on by them."""
+        if self.static is None:
+            return
+        self.static = None
+        self.total += steps
+        self.lengths = [n + steps for n in self.lengths]
+        if self.lengths_t is not None:
+            self.lengths_t = self.lengths_t + steps
 
     def _attend_compact(
         self, store: _Store, qg: torch.Tensor, pos: torch.Tensor | None, kb: torch.Tensor, vb: torch.Tensor,
