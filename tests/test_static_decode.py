@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from elasticfw.attention.mode import DecodeKeep
 from elasticfw.errors import ElasticError, UnsupportedInputError
 from elasticfw.model.elastic import ElasticModel
-from elasticfw.model.static_decode import StaticDecoder, StaticMasks, decode_attention_masked, static_greedy
+from elasticfw.model.static_decode import StaticDecoder, StaticStep, decode_attention_masked, static_greedy
 from elasticfw.recipe import validate_recipe_data
 from elasticfw.testing.models import FAMILIES, padded_batch, tiny_model
 
@@ -133,7 +133,7 @@ def test_masked_decode_attention_against_sdpa_over_the_visible_keys(slots):
 
 def test_static_masks_by_hand():
     position = torch.tensor([8])
-    masks = StaticMasks(position)
+    masks = StaticStep(position)
     keep = DecodeKeep(sink_tokens=2, local_tokens=4, granularity=2)
     masks.register(None, 12)
     masks.register(keep, 6)

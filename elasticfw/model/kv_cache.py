@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from elasticfw.model.bridge import KeyPaddingInfo
     from elasticfw.model.canonical import Canonical
     from elasticfw.model.runtime import ElasticRuntime
-    from elasticfw.model.static_decode import StaticMasks
+    from elasticfw.model.static_decode import StaticStep
 
 #: default growth of a full store, in tokens (a store is reallocated once per this many steps)
 GROWTH_TOKENS = 256
@@ -200,8 +200,9 @@ class ElasticKVLayer(DynamicLayer):
         self.lengths_t: torch.Tensor | None = None  # the same on the device
         self._incoming: tuple[torch.Tensor, torch.Tensor] | None = None
         self._checked_mask: KeyPaddingInfo | None = None
-        #: while frozen (:meth:`freeze`): the step's masks, whose ``position`` is the step's position
-        self.static: StaticMasks | None = None
+        #: while frozen (:meth:`freeze`): the step shared by the cache's layers (its position on the
+        #: device, its masks, the frozen attention)
+        self.static: StaticStep | None = None
 
     def __repr__(self) -> str:
         state = "compacted" if self.compacted else "dense"
@@ -357,9 +358,7 @@ class ElasticKVLayer(DynamicLayer):
                 "or none"
             )
         if self.static is not None:
-            from elasticfw.model.static_decode import attend_frozen
-
-            return attend_frozen(self, q, k_new, v_new, scale)
+            return self.static.attend(self, q, k_new, v_new, scale)
         batch, hq, steps, _ = q.shape
         hkv = k_new.shape[1]
         self._check_new_tokens(info, steps)
@@ -413,18 +412,16 @@ class ElasticKVLayer(DynamicLayer):
         return out.reshape(batch, hq, steps, out.shape[-1])
 
     # -- frozen: fixed shapes, the position on the device (elasticfw.model.static_decode) --------
-    def freeze(self, masks: StaticMasks, capacity: int) -> None:
+    def freeze(self, step: StaticStep, capacity: int) -> None:
         """Fix this layer's shapes for decode steps of one token up to ``capacity`` positions
-        (:func:`~elasticfw.model.static_decode.freeze_layer`); until :meth:`unfreeze`, steps write at
-        ``masks.position`` on the device and move no host lengths."""
-        from elasticfw.model.static_decode import freeze_layer
-
+        (:meth:`StaticStep.freeze_layer <elasticfw.model.static_decode.StaticStep.freeze_layer>`);
+        until :meth:`unfreeze`, steps write at ``step.position`` on the device and move no host lengths."""
         if self.stores is None or self.lengths_t is None:
             raise ElasticError(f"compact KV cache, layer {self.layer_idx}: freeze before the prefill")
         if self.static is not None:
             raise ElasticError(f"compact KV cache, layer {self.layer_idx}: already frozen")
-        freeze_layer(self, masks, capacity)
-        self.static = masks
+        step.freeze_layer(self, capacity)
+        self.static = step
 
     def unfreeze(self, steps: int) -> None:
         """Back to ordinary steps after ``steps`` frozen ones: the host lengths move on by them."""

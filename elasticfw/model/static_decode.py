@@ -4,7 +4,7 @@ Routing is decided at prefill and held, so once a compact KV cache
 (:class:`~elasticfw.model.kv_cache.ElasticKVCache`) has compacted every layer, a decode step of one
 token per sample has the same shapes at every step, if the cache's stores are reserved for the
 whole generation up front and the step reads its position from the device. :class:`StaticDecoder`
-sets the cache up so (:meth:`ElasticKVLayer.freeze`), runs a few steps eagerly, captures the next
+sets the cache up so (:meth:`ElasticKVLayer.freeze` with a :class:`StaticStep`), runs a few steps eagerly, captures the next
 one in a CUDA graph and replays it: each step then costs its GPU work, with no Python, no kernel
 launches and no device reads on the host. On a device without CUDA graphs (the CPU) every step
 runs eagerly through the same code, which is what the CPU tests check.
@@ -33,10 +33,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from elasticfw.attention.mode import DecodeKeep
+from elasticfw.attention.seq import SeqInfo
 from elasticfw.errors import ElasticError, UnsupportedInputError
+from elasticfw.model.kv_cache import ElasticKVLayer, _prefill_positions
 
 if TYPE_CHECKING:
-    from elasticfw.model.kv_cache import ElasticKVCache, ElasticKVLayer
+    from elasticfw.model.kv_cache import ElasticKVCache
 
 #: eager steps before the capture (the first calls compile kernels and warm the allocator)
 WARMUP_STEPS = 2
@@ -79,11 +81,13 @@ def decode_attention_masked(
     return parts.sum(dim=1, dtype=torch.float32).to(q.dtype)
 
 
-class StaticMasks:
-    """The frozen step's slot masks, one per store geometry, computed on the device from the step's
-    position at the start of the step (:meth:`refresh`, inside the captured graph) and read by every
-    layer: a full store of ``slots`` reads slots ``0 .. position``; a compact store the slots its
-    :class:`DecodeKeep` makes visible once it holds every position up to ``position``."""
+class StaticStep:
+    """What the frozen layers of one cache share: the step's position on the device and its slot
+    masks, one per store geometry, computed from the position at the start of the step
+    (:meth:`refresh`, inside the captured graph) and read by every layer: a full store of ``slots``
+    reads slots ``0 .. position``; a compact store the slots its :class:`DecodeKeep` makes visible
+    once it holds every position up to ``position``. A frozen :class:`ElasticKVLayer` calls
+    :meth:`freeze_layer` and :meth:`attend`."""
 
     def __init__(self, position: torch.Tensor) -> None:
         self.position = position  # (1,) int64 on the device: the position of the step's token
@@ -93,8 +97,6 @@ class StaticMasks:
         self._masks.setdefault((keep, slots), None)
 
     def refresh(self) -> None:
-        from elasticfw.model.kv_cache import _prefill_positions
-
         for keep, slots in self._masks:
             at = self.position
             if keep is None:
@@ -109,76 +111,70 @@ class StaticMasks:
             raise ElasticError(f"static decode: no mask for a store of {slots} slots (keep {keep}) this step")
         return mask
 
+    def freeze_layer(self, layer: ElasticKVLayer, capacity: int) -> None:
+        """Grow a compacted layer's stores for steps up to ``capacity`` positions, now: a full store to
+        at least ``capacity`` slots, a compact one to what it will hold; register each store's geometry
+        with this step. A full store's mode must be dense at a decode step."""
+        assert layer.stores is not None
+        longest = max(layer.lengths, default=0)
+        for store in layer.stores:
+            if store.keep is None:
+                decode = SeqInfo.dense(store.size, 1, longest + 1, store.keys.device)
+                if not store.mode.dense_at(decode):
+                    raise UnsupportedInputError(
+                        f"static decode: mode {store.mode.name!r} (layer {layer.layer_idx}) selects past keys by content "
+                        "at a decode step (dense_at is False), which a fixed-shape step cannot: decode it with the "
+                        "ordinary path (generate), or set the mode's decode to full where it has one"
+                    )
+                have = store.keys.shape[1]
+                if have < capacity:
+                    n = store.size
+                    store.keys = torch.cat([store.keys, store.keys.new_zeros(n, capacity - have, store.keys.shape[2])], 1)
+                    store.values = torch.cat(
+                        [store.values, store.values.new_zeros(n, capacity - have, store.values.shape[2])], 1)
+            else:
+                store.reserve(capacity, layer.growth)
+            self.register(store.keep, store.keys.shape[1])
 
-def freeze_layer(layer: ElasticKVLayer, masks: StaticMasks, capacity: int) -> None:
-    """Grow a compacted layer's stores for steps up to ``capacity`` positions, now: a full store to
-    at least ``capacity`` slots, a compact one to what it will hold; register each store's geometry
-    with ``masks``. A full store's mode must be dense at a decode step."""
-    from elasticfw.attention.seq import SeqInfo
-
-    assert layer.stores is not None
-    longest = max(layer.lengths, default=0)
-    for store in layer.stores:
-        if store.keep is None:
-            decode = SeqInfo.dense(store.size, 1, longest + 1, store.keys.device)
-            if not store.mode.dense_at(decode):
-                raise UnsupportedInputError(
-                    f"static decode: mode {store.mode.name!r} (layer {layer.layer_idx}) selects past keys by content "
-                    "at a decode step (dense_at is False), which a fixed-shape step cannot: decode it with the "
-                    "ordinary path (generate), or set the mode's decode to full where it has one"
-                )
-            have = store.keys.shape[1]
-            if have < capacity:
-                n = store.size
-                store.keys = torch.cat([store.keys, store.keys.new_zeros(n, capacity - have, store.keys.shape[2])], 1)
-                store.values = torch.cat(
-                    [store.values, store.values.new_zeros(n, capacity - have, store.values.shape[2])], 1)
-        else:
-            store.reserve(capacity, layer.growth)
-        masks.register(store.keep, store.keys.shape[1])
-
-
-def attend_frozen(
-    layer: ElasticKVLayer, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """A frozen layer's step: write the new token (``k_new`` / ``v_new`` (B, Hkv, 1, D)) of every
-    store at the device position, then each store's masked softmax (:func:`decode_attention_masked`)
-    for the queries ``q`` (B, Hq, 1, D). Returns (B, Hq, 1, Dv). Only device work."""
-    assert layer.static is not None and layer.stores is not None
-    batch, hq, steps, d = q.shape
-    if steps != 1:
-        raise UnsupportedInputError(f"static decode takes one token per step, got {steps}")
-    hkv, dv = k_new.shape[1], v_new.shape[-1]
-    group = hq // hkv
-    position = layer.static.position
-    qg_all = q.reshape(batch, hkv, group, d)
-    out = q.new_empty(batch, hkv, group, dv)
-    for store in layer.stores:
-        n = store.size
-        if store.span is not None:  # every sample's heads h0 .. h1 - 1: slices, not gathers
-            h0, h1 = store.span
-            qg = qg_all[:, h0:h1].reshape(n, group, d)
-            kb, vb = k_new[:, h0:h1].reshape(n, 1, -1), v_new[:, h0:h1].reshape(n, 1, dv)
-        else:
-            b, h = store.samples, store.heads
-            qg, kb, vb = qg_all[b, h], k_new[b, h], v_new[b, h]
-        slot = store.slot_of(position)
-        store.keys.index_copy_(1, slot, kb.to(store.keys.dtype))
-        store.values.index_copy_(1, slot, vb.to(store.values.dtype))
-        if store.positions is not None:  # what an ordinary step after unfreeze() reads
-            store.positions.index_copy_(1, slot, position.to(store.positions.dtype).expand(n, 1))
-        result = decode_attention_masked(qg, store.keys, store.values, layer.static.get(store.keep, store.keys.shape[1]),
-                                         scale)
-        if store.span is not None:
-            out[:, store.span[0] : store.span[1]] = result.view(batch, -1, group, dv).to(out.dtype)
-        else:
-            out[store.samples, store.heads] = result.to(out.dtype)
-    return out.reshape(batch, hq, 1, dv)
+    def attend(
+        self, layer: ElasticKVLayer, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """A frozen layer's step: write the new token (``k_new`` / ``v_new`` (B, Hkv, 1, D)) of every
+        store at the device position, then each store's masked softmax (:func:`decode_attention_masked`)
+        for the queries ``q`` (B, Hq, 1, D). Returns (B, Hq, 1, Dv). Only device work."""
+        assert layer.stores is not None
+        batch, hq, steps, d = q.shape
+        if steps != 1:
+            raise UnsupportedInputError(f"static decode takes one token per step, got {steps}")
+        hkv, dv = k_new.shape[1], v_new.shape[-1]
+        group = hq // hkv
+        position = self.position
+        qg_all = q.reshape(batch, hkv, group, d)
+        out = q.new_empty(batch, hkv, group, dv)
+        for store in layer.stores:
+            n = store.size
+            if store.span is not None:  # every sample's heads h0 .. h1 - 1: slices, not gathers
+                h0, h1 = store.span
+                qg = qg_all[:, h0:h1].reshape(n, group, d)
+                kb, vb = k_new[:, h0:h1].reshape(n, 1, -1), v_new[:, h0:h1].reshape(n, 1, dv)
+            else:
+                b, h = store.samples, store.heads
+                qg, kb, vb = qg_all[b, h], k_new[b, h], v_new[b, h]
+            slot = store.slot_of(position)
+            store.keys.index_copy_(1, slot, kb.to(store.keys.dtype))
+            store.values.index_copy_(1, slot, vb.to(store.values.dtype))
+            if store.positions is not None:  # what an ordinary step after unfreeze() reads
+                store.positions.index_copy_(1, slot, position.to(store.positions.dtype).expand(n, 1))
+            result = decode_attention_masked(qg, store.keys, store.values, self.get(store.keep, store.keys.shape[1]),
+                                             scale)
+            if store.span is not None:
+                out[:, store.span[0] : store.span[1]] = result.view(batch, -1, group, dv).to(out.dtype)
+            else:
+                out[store.samples, store.heads] = result.to(out.dtype)
+        return out.reshape(batch, hq, 1, dv)
 
 
 def _frozen_layers(cache: ElasticKVCache) -> list[ElasticKVLayer]:
-    from elasticfw.model.kv_cache import ElasticKVLayer
-
     layers = list(cache.layers)
     for i, layer in enumerate(layers):
         if not isinstance(layer, ElasticKVLayer):
@@ -238,10 +234,10 @@ class StaticDecoder:
         self.position = torch.tensor([start], device=device, dtype=torch.long)
         self.tokens = torch.zeros(token.shape[0], max_new_tokens, dtype=torch.long, device=device)
         self._index = torch.zeros(1, dtype=torch.long, device=device)
-        self.masks = StaticMasks(self.position)
+        self.shared = StaticStep(self.position)
         capacity = -(-(start + max_new_tokens) // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
         for layer in self.layers:
-            layer.freeze(self.masks, capacity)
+            layer.freeze(self.shared, capacity)
         self._call_kwargs = {cache_argument(getattr(model, "base", model)): cache}
         self.model = model
         self.done = 0
@@ -249,7 +245,7 @@ class StaticDecoder:
         self.closed = False
 
     def _step(self) -> None:
-        self.masks.refresh()
+        self.shared.refresh()
         out = self.model(input_ids=self.ids, position_ids=self.position.view(1, 1), use_cache=True,
                          logits_to_keep=1, **self._call_kwargs)
         token = out.logits[:, -1:].argmax(-1)
