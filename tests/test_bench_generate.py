@@ -168,17 +168,23 @@ GENERATE = {
         {**_row(131072, 8, "elastic:split:fa-ssa:msr=0.875:compact_cache", 0.1),
          "error": "OutOfMemoryError: ..."},  # an errored row gives no value
         {**_row(131072, 1, "elastic:split:fa-ssa:msr=0.875:compact_cache", 0.01), "model": "qwen3-8b"},
+        _row(131072, 1, "elastic:static:fa-ssa:msr=0.875:compact_cache", 0.4, e2e=0.5),  # static decoding
+        _row(32768, 8, "elastic:static:fa-ssa:msr=0.875:compact_cache", 1.1),
     ],
 }
 STEP = "generate decode step @{}, batch {}, FA-SSA MSR 0.875 compact cache / dense"
 E2E = "generate end to end @128K + 256 tokens, batch 1, FA-SSA MSR 0.875 compact cache / dense"
+STATIC_STEP = "generate decode step @{}, batch {}, FA-SSA MSR 0.875 compact cache, static decode / dense"
+STATIC_E2E = "generate end to end @128K + 256 tokens, batch 1, FA-SSA MSR 0.875 compact cache, static decode / dense"
 
 
 def test_targets_read_the_generate_figures_from_a_hand_written_json():
     got = {t["figure"]: t for t in build_targets({"generate.json": GENERATE})}
     expected = {STEP.format("32K", 1): (1.2, 1.0, False), STEP.format("128K", 1): (0.5, 0.6, True),
                 STEP.format("32K", 8): (0.8, 1.0, True), STEP.format("128K", 8): (None, 0.6, False),
-                E2E: (0.6, 0.55, False)}
+                E2E: (0.6, 0.55, False),
+                STATIC_STEP.format("32K", 1): (None, 1.0, False), STATIC_STEP.format("128K", 1): (0.4, 0.6, True),
+                STATIC_STEP.format("32K", 8): (1.1, 1.0, False), STATIC_E2E: (0.5, 0.55, True)}
     for figure, (value, target, met) in expected.items():
         t = got[figure]
         assert (t["value"], t["target"], t["met"]) == (value, target, met), figure

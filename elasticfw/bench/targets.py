@@ -37,6 +37,9 @@ GENERATE_BATCHES = (1, 8)
 GENERATE_NEW_TOKENS = 256
 GENERATE_VARIANT = f"FA-SSA MSR {MSR} compact cache"
 GENERATE_ROW = f"elastic:split:fa-ssa:msr={MSR:g}:compact_cache"
+#: the same cache decoded by elasticfw.model.static_decode (a CUDA graph replayed per step)
+GENERATE_STATIC_ROW = f"elastic:static:fa-ssa:msr={MSR:g}:compact_cache"
+GENERATE_STATIC = "static decode"
 
 #: (figure, target, "<=" or ">=") in the targets table's order; the mode layers follow the planning rows
 FIGURES: list[tuple[str, float, str]] = [
@@ -49,6 +52,11 @@ FIGURES: list[tuple[str, float, str]] = [
     *[(f"generate decode step @{label}, batch {batch}, {GENERATE_VARIANT} / dense", target, "<=")
       for batch in GENERATE_BATCHES for label, _, target in GENERATE_LENGTHS],
     (f"generate end to end @128K + {GENERATE_NEW_TOKENS} tokens, batch 1, {GENERATE_VARIANT} / dense", 0.55, "<="),
+    # the same figures with static decoding of the compact cache
+    *[(f"generate decode step @{label}, batch {batch}, {GENERATE_VARIANT}, {GENERATE_STATIC} / dense", target, "<=")
+      for batch in GENERATE_BATCHES for label, _, target in GENERATE_LENGTHS],
+    (f"generate end to end @128K + {GENERATE_NEW_TOKENS} tokens, batch 1, {GENERATE_VARIANT}, {GENERATE_STATIC} / dense",
+     0.55, "<="),
     *[(f"{label} planning @128K / dense", target, "<=") for label, target in PLANNING.values()],
     ("router, all layers, per layer", 0.1, "<="),
     ("CPU (2 cores), demo at 1.4K tokens: all-streaming time / full time", 1.0, "<="),
@@ -236,19 +244,23 @@ def _prefill(data: dict[str, Any]) -> dict[str, float | None]:
 
 
 def _generate(data: dict[str, Any]) -> dict[str, float | None]:
-    """The compact-cache FA-SSA row's decode step and end-to-end time over dense, per length and batch."""
-    rows = [r for r in data.get("results", []) if isinstance(r, dict) and r.get("error") is None
-            and r.get("model") == "llama-3.1-8b" and r.get("variant") == GENERATE_ROW]
+    """The compact-cache FA-SSA rows' decode step and end-to-end time over dense, per length and
+    batch: eager decoding (keys ``step@...``, ``e2e@...``) and static decoding (``static-`` before them)."""
+    out: dict[str, float | None] = {}
+    for prefix, variant in (("", GENERATE_ROW), ("static-", GENERATE_STATIC_ROW)):
+        rows = [r for r in data.get("results", []) if isinstance(r, dict) and r.get("error") is None
+                and r.get("model") == "llama-3.1-8b" and r.get("variant") == variant]
 
-    def ratio(key: str, seq: int, batch: int) -> float | None:
-        for r in rows:
-            if r.get("seq") == seq and r.get("batch") == batch and r.get(key) is not None:
-                return float(r[key])
-        return None
+        def ratio(key: str, seq: int, batch: int, rows: list = rows) -> float | None:
+            for r in rows:
+                if r.get("seq") == seq and r.get("batch") == batch and r.get(key) is not None:
+                    return float(r[key])
+            return None
 
-    out = {f"step@{label}/b{batch}": ratio("decode_step_over_dense", seq, batch)
-           for batch in GENERATE_BATCHES for label, seq, _ in GENERATE_LENGTHS}
-    out["e2e@128K/b1"] = ratio("e2e_over_dense", LONG, 1)
+        for batch in GENERATE_BATCHES:
+            for label, seq, _ in GENERATE_LENGTHS:
+                out[f"{prefix}step@{label}/b{batch}"] = ratio("decode_step_over_dense", seq, batch)
+        out[f"{prefix}e2e@128K/b1"] = ratio("e2e_over_dense", LONG, 1)
     return out
 
 
@@ -293,6 +305,11 @@ SOURCES: dict[str, tuple[str, str]] = {
        ("elasticfw.bench.generate", f"step@{label}/b{batch}") for batch in GENERATE_BATCHES for label, _, _ in GENERATE_LENGTHS},
     f"generate end to end @128K + {GENERATE_NEW_TOKENS} tokens, batch 1, {GENERATE_VARIANT} / dense":
         ("elasticfw.bench.generate", "e2e@128K/b1"),
+    **{f"generate decode step @{label}, batch {batch}, {GENERATE_VARIANT}, {GENERATE_STATIC} / dense":
+       ("elasticfw.bench.generate", f"static-step@{label}/b{batch}")
+       for batch in GENERATE_BATCHES for label, _, _ in GENERATE_LENGTHS},
+    f"generate end to end @128K + {GENERATE_NEW_TOKENS} tokens, batch 1, {GENERATE_VARIANT}, {GENERATE_STATIC} / dense":
+        ("elasticfw.bench.generate", "static-e2e@128K/b1"),
     **{f"{label} planning @128K / dense": ("elasticfw.bench.attention", f"plan:{mode}")
        for mode, (label, _) in PLANNING.items()},
     "router, all layers, per layer": ("router_overhead", "router"),
