@@ -57,6 +57,24 @@ def prefill_chunk(args: argparse.Namespace, batch: int, seq: int) -> int | None:
     return None
 
 
+def _prefill(model: Any, ids: torch.Tensor, cache: Any, device: torch.device, chunk: int | None,
+             prefill_context: Callable[[], Any]) -> tuple[torch.Tensor, DeviceClock]:
+    """The prompt ``ids`` (B, S) into ``cache`` (``chunk`` tokens per forward, or all) and its next
+    token (B, 1), with a clock marked before and after (the argmax included)."""
+    clock = DeviceClock(device)
+    step = chunk or ids.shape[1]
+    sync(device)
+    clock.mark()
+    with prefill_context():
+        for start in range(0, ids.shape[1], step):
+            out = model(input_ids=ids[:, start:start + step], use_cache=True, logits_to_keep=1,
+                        **{cache_argument(getattr(model, "base", model)): cache})
+    token = out.logits[:, -1:].argmax(-1)
+    del out
+    clock.mark()
+    return token, clock
+
+
 @torch.no_grad()
 def greedy_generate(model: Any, ids: torch.Tensor, new_tokens: int, cache: Any, device: torch.device, *,
                     chunk: int | None = None, prefill_context: Callable[[], Any] = contextlib.nullcontext,
@@ -67,18 +85,8 @@ def greedy_generate(model: Any, ids: torch.Tensor, new_tokens: int, cache: Any, 
     milliseconds of the prefill (its first token's argmax included) and of each decode step, on
     the device's timeline (:class:`~elasticfw.bench.timing.DeviceClock`)."""
     with_cache = {cache_argument(getattr(model, "base", model)): cache}
-    clock = DeviceClock(device)
-    step = chunk or ids.shape[1]
-    tokens = []
-    sync(device)
-    clock.mark()
-    with prefill_context():
-        for start in range(0, ids.shape[1], step):
-            out = model(input_ids=ids[:, start:start + step], **with_cache, use_cache=True, logits_to_keep=1)
-    token = out.logits[:, -1:].argmax(-1)
-    del out
-    tokens.append(token)
-    clock.mark()
+    token, clock = _prefill(model, ids, cache, device, chunk, prefill_context)
+    tokens = [token]
     with decode_context():
         for _ in range(new_tokens - 1):
             out = model(input_ids=token, **with_cache, use_cache=True, logits_to_keep=1)
@@ -99,17 +107,7 @@ def static_generate(model: Any, ids: torch.Tensor, new_tokens: int, cache: Any, 
     counts in the first decode step, the capture in the step it precedes."""
     from elasticfw.model.static_decode import StaticDecoder
 
-    with_cache = {cache_argument(getattr(model, "base", model)): cache}
-    clock = DeviceClock(device)
-    step = chunk or ids.shape[1]
-    sync(device)
-    clock.mark()
-    with prefill_context():
-        for start in range(0, ids.shape[1], step):
-            out = model(input_ids=ids[:, start:start + step], **with_cache, use_cache=True, logits_to_keep=1)
-    token = out.logits[:, -1:].argmax(-1)
-    del out
-    clock.mark()
+    token, clock = _prefill(model, ids, cache, device, chunk, prefill_context)
     if new_tokens == 1:
         return token, clock.intervals_ms()
     with decode_context(), StaticDecoder(model, cache, token, max_new_tokens=new_tokens - 1) as decoder:
