@@ -190,11 +190,17 @@ def test_refusals():
         decoder.step()
 
 
-def test_a_mode_that_selects_keys_at_decode_is_refused():
+def test_a_mode_that_selects_keys_at_decode_is_refused_and_nothing_stays_frozen():
     xattention = {"name": "xattention", "block_size": BS, "stride": 4, "threshold": 0.9, "decode": "sparse"}
-    elastic, cache, first = prefilled(retrieval=xattention)
-    with pytest.raises(UnsupportedInputError, match="mode 'xattention' .* selects past keys by content"):
+    # layer 0 every head streaming (it can freeze), later layers XAttention selecting at decode
+    layer0 = {"name": "fixed", "assign": "sparse_heads", "heads": [[0, 0], [0, 1]]}
+    elastic, cache, first = prefilled(router=layer0, retrieval=xattention)
+    with pytest.raises(UnsupportedInputError, match=r"mode 'xattention' \(layer 1\) selects past keys by content"):
         StaticDecoder(elastic, cache, first, max_new_tokens=4, graph=False)
+    assert all(layer.static is None for layer in cache.layers)
+    with torch.no_grad():  # the cache still decodes the ordinary way
+        out = elastic(input_ids=first, cache=cache, use_cache=True)
+    assert out.logits.shape[:2] == (2, 1) and cache.get_seq_length() == 71
 
 
 # -- the CUDA graph ---------------------------------------------------------------------------------

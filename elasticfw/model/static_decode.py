@@ -175,8 +175,8 @@ class StaticStep:
 
 
 def _frozen_layers(cache: ElasticKVCache) -> list[ElasticKVLayer]:
-    layers = list(cache.layers)
-    for i, layer in enumerate(layers):
+    layers: list[ElasticKVLayer] = []
+    for i, layer in enumerate(cache.layers):
         if not isinstance(layer, ElasticKVLayer):
             raise UnsupportedInputError(
                 f"static decode: layer {i}'s cache is {type(layer).__name__}, which grows every step; it needs "
@@ -186,6 +186,7 @@ def _frozen_layers(cache: ElasticKVCache) -> list[ElasticKVLayer]:
             raise UnsupportedInputError(
                 f"static decode: layer {i} has not been compacted; run the prompt's prefill on this cache first"
             )
+        layers.append(layer)
     return layers
 
 
@@ -236,8 +237,15 @@ class StaticDecoder:
         self._index = torch.zeros(1, dtype=torch.long, device=device)
         self.shared = StaticStep(self.position)
         capacity = -(-(start + max_new_tokens) // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
-        for layer in self.layers:
-            layer.freeze(self.shared, capacity)
+        frozen: list[ElasticKVLayer] = []
+        try:
+            for layer in self.layers:
+                layer.freeze(self.shared, capacity)
+                frozen.append(layer)
+        except Exception:  # re-raised: a refused layer leaves none of the cache frozen
+            for layer in frozen:
+                layer.unfreeze(0)
+            raise
         self._call_kwargs = {cache_argument(getattr(model, "base", model)): cache}
         self.model = model
         self.done = 0
