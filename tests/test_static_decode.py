@@ -17,6 +17,7 @@ from elasticfw.errors import ElasticError, UnsupportedInputError
 from elasticfw.model.elastic import ElasticModel
 from elasticfw.model.static_decode import StaticDecoder, StaticStep, decode_attention_masked, static_greedy
 from elasticfw.recipe import validate_recipe_data
+from elasticfw.routing.base import RouterDecision
 from elasticfw.testing.models import FAMILIES, padded_batch, tiny_model
 
 SINK, LOCAL, BS = 16, 32, 16
@@ -88,6 +89,49 @@ def test_three_modes():
     assert torch.equal(out["compact"], out["full"])
 
 
+@pytest.mark.parametrize("router", [ALL_SPARSE, MIXED, ALL_FULL], ids=["all_streaming", "mixed", "all_full"])
+def test_a_left_padded_batch_of_different_lengths(router):
+    """Samples of 70, 41 and 23 real tokens: each decodes at its own positions, as generate does."""
+    ids, mask = padded_batch([70, 41, 23], side="left", seed=4)
+    full = ElasticModel(tiny_model("llama"), section(router, "full"))
+    full.base.generation_config.eos_token_id = None
+    with torch.no_grad():
+        expected = full.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, min_new_tokens=40,
+                                 do_sample=False, pad_token_id=0, eos_token_id=None)[:, ids.shape[1]:]
+    elastic = ElasticModel(tiny_model("llama"), section(router, "compact"))
+    got = static_greedy(elastic, ids, 40, attention_mask=mask, graph=False)
+    assert torch.equal(got, expected)
+
+
+def test_per_sample_routing():
+    """Each sample routes its own heads (the stores gather rows): sample 0 streams layer 1's head 0,
+    sample 1 layer 3's heads."""
+    table = torch.zeros(2, 4, 2, dtype=torch.bool)
+    table[0, 1, 0] = True
+    table[1, 3] = True
+
+    def decide(layer: int, keys: torch.Tensor, seq) -> RouterDecision:
+        sparse = table[: keys.shape[0], layer].float()
+        return RouterDecision(sparse=sparse, prob_sparse=sparse)
+
+    ids, mask = padded_batch([66, 50], side="left", seed=6)
+    tokens = {}
+    for kv_cache in ("full", "compact"):
+        elastic = ElasticModel(tiny_model("llama"), section(ALL_SPARSE, kv_cache))
+        elastic.router.decide = decide  # type: ignore[method-assign]
+        elastic.base.generation_config.eos_token_id = None
+        with torch.no_grad():
+            if kv_cache == "full":
+                tokens[kv_cache] = elastic.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30,
+                                                    min_new_tokens=30, do_sample=False, pad_token_id=0,
+                                                    eos_token_id=None)[:, ids.shape[1]:]
+            else:
+                cache = elastic.make_kv_cache()
+                tokens[kv_cache] = static_greedy(elastic, ids, 30, attention_mask=mask, graph=False, cache=cache)
+                assert any(store.span is None for store in cache.layers[1].stores)  # rows gathered, not sliced
+    assert torch.equal(tokens["compact"], tokens["full"])
+
+
 def test_the_cache_goes_on_after_close():
     """Static steps, close(), then ordinary generate on the same cache: the host lengths moved on."""
     ids = prompt(batch=2, length=60, seed=7)
@@ -132,22 +176,24 @@ def test_masked_decode_attention_against_sdpa_over_the_visible_keys(slots):
 
 
 def test_static_masks_by_hand():
-    position = torch.tensor([8])
+    position = torch.tensor([8, 3])  # two samples of different lengths
     masks = StaticStep(position)
     keep = DecodeKeep(sink_tokens=2, local_tokens=4, granularity=2)
     masks.register(None, 12)
     masks.register(keep, 6)
     masks.refresh()
-    # full store: slots 0..8 hold positions 0..8, all read
-    assert masks.get(None, 12).tolist() == [True] * 9 + [False] * 3
+    # full store: slots 0..p hold positions 0..p, all read
+    assert masks.get(None, 12).tolist() == [[True] * 9 + [False] * 3, [True] * 4 + [False] * 8]
     # compact store after 9 tokens: slots 0, 1 the sink; ring slot r holds the latest 2 + r + 4m <= 8:
-    # 6, 7, 8, 5; the window of whole 2-blocks starts at (8 // 2 + 1) * 2 - 4 = 6, so 5 is not read
-    assert masks.get(keep, 6).tolist() == [True, True, True, True, True, False]
+    # 6, 7, 8, 5; the window of whole 2-blocks starts at (8 // 2 + 1) * 2 - 4 = 6, so 5 is not read.
+    # After 4 tokens: the sink, then 2, 3 in ring slots 0, 1 and two empty slots
+    assert masks.get(keep, 6).tolist() == [[True, True, True, True, True, False],
+                                           [True, True, True, True, False, False]]
     position.add_(1)  # the next step, in place (as a replayed graph sees it)
     masks.refresh()
-    assert masks.get(None, 12).tolist() == [True] * 10 + [False] * 2
-    # ring: 6, 7, 8, 9; window start (9 // 2 + 1) * 2 - 4 = 6
-    assert masks.get(keep, 6).tolist() == [True] * 6
+    assert masks.get(None, 12).tolist() == [[True] * 10 + [False] * 2, [True] * 5 + [False] * 7]
+    # ring: 6, 7, 8, 9, window start (9 // 2 + 1) * 2 - 4 = 6; and 2, 3, 4 with start (4 // 2 + 1) * 2 - 4 = 2
+    assert masks.get(keep, 6).tolist() == [[True] * 6, [True, True, True, True, True, False]]
 
 
 # -- what it refuses, by name ---------------------------------------------------------------------
@@ -168,13 +214,6 @@ def test_refusals():
     elastic = ElasticModel(tiny_model("llama"), section(MIXED, "compact"))
     with pytest.raises(UnsupportedInputError, match="not been compacted"):
         StaticDecoder(elastic, elastic.make_kv_cache(), first, max_new_tokens=4, graph=False)
-
-    ids, mask = padded_batch([40, 30], side="left", seed=3)
-    cache = elastic.make_kv_cache()
-    with torch.no_grad():
-        out = elastic(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
-    with pytest.raises(UnsupportedInputError, match="every sample as long"):
-        StaticDecoder(elastic, cache, out.logits[:, -1:].argmax(-1), max_new_tokens=4, graph=False)
 
     elastic, cache, first = prefilled()
     with pytest.raises(UnsupportedInputError, match=r"token must be \(batch, 1\) int64"):

@@ -22,7 +22,8 @@ MoBA under ``decode: full``); a mode that selects past keys by content at decode
     >>> tokens = decoder.run()          # (B, 255): the tokens after the first one
     >>> decoder.close()                 # the cache can serve an ordinary forward or generate again
 
-Limits: one token per step, greedy, every sample as long (no padding), every layer of the cache
+Samples may differ in length (a left-padded prefill: the stores hold real tokens only, and each
+sample's position is its own). Limits: one token per step, greedy, every layer of the cache
 compacted (a routed layer without a native window: an unrouted layer's dynamic cache grows).
 """
 
@@ -82,27 +83,30 @@ def decode_attention_masked(
 
 
 class StaticStep:
-    """What the frozen layers of one cache share: the step's position on the device and its slot
-    masks, one per store geometry, computed from the position at the start of the step
-    (:meth:`refresh`, inside the captured graph) and read by every layer: a full store of ``slots``
-    reads slots ``0 .. position``; a compact store the slots its :class:`DecodeKeep` makes visible
-    once it holds every position up to ``position``. A frozen :class:`ElasticKVLayer` calls
+    """What the frozen layers of one cache share: each sample's position on the device (its real
+    tokens before the step's: samples may differ) and the slot masks, (B, slots) per store
+    geometry, computed from the positions at the start of the step (:meth:`refresh`, inside the
+    captured graph) and read by every layer: a full store of ``slots`` reads slots
+    ``0 .. position``; a compact store the slots its :class:`DecodeKeep` makes visible once it
+    holds every position up to ``position``. A frozen :class:`ElasticKVLayer` calls
     :meth:`freeze_layer` and :meth:`attend`."""
 
     def __init__(self, position: torch.Tensor) -> None:
-        self.position = position  # (1,) int64 on the device: the position of the step's token
+        self.position = position  # (B,) int64 on the device: the position of each sample's token
         self._masks: dict[tuple[DecodeKeep | None, int], torch.Tensor | None] = {}
+        #: per store (by id): its rows' sample, and the rows 0 .. N - 1, both on the device
+        self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def register(self, keep: DecodeKeep | None, slots: int) -> None:
         self._masks.setdefault((keep, slots), None)
 
     def refresh(self) -> None:
+        at = self.position[:, None]
         for keep, slots in self._masks:
-            at = self.position
             if keep is None:
-                mask = torch.arange(slots, device=at.device) <= at
+                mask = torch.arange(slots, device=at.device)[None, :] <= at
             else:
-                mask = keep.visible(_prefill_positions(keep, at + 1, slots)[0], at)
+                mask = keep.visible(_prefill_positions(keep, self.position + 1, slots), at)
             self._masks[(keep, slots)] = mask
 
     def get(self, keep: DecodeKeep | None, slots: int) -> torch.Tensor:
@@ -135,20 +139,22 @@ class StaticStep:
             else:
                 store.reserve(capacity, layer.growth)
             self.register(store.keep, store.keys.shape[1])
+            self._rows[id(store)] = (store.samples.to(self.position.device),
+                                     torch.arange(store.size, device=self.position.device))
 
     def attend(
         self, layer: ElasticKVLayer, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scale: float
     ) -> torch.Tensor:
         """A frozen layer's step: write the new token (``k_new`` / ``v_new`` (B, Hkv, 1, D)) of every
-        store at the device position, then each store's masked softmax (:func:`decode_attention_masked`)
-        for the queries ``q`` (B, Hq, 1, D). Returns (B, Hq, 1, Dv). Only device work."""
+        store at its sample's device position, then each store's masked softmax
+        (:func:`decode_attention_masked`) for the queries ``q`` (B, Hq, 1, D). Returns
+        (B, Hq, 1, Dv). Only device work."""
         assert layer.stores is not None
         batch, hq, steps, d = q.shape
         if steps != 1:
             raise UnsupportedInputError(f"static decode takes one token per step, got {steps}")
         hkv, dv = k_new.shape[1], v_new.shape[-1]
         group = hq // hkv
-        position = self.position
         qg_all = q.reshape(batch, hkv, group, d)
         out = q.new_empty(batch, hkv, group, dv)
         for store in layer.stores:
@@ -160,13 +166,15 @@ class StaticStep:
             else:
                 b, h = store.samples, store.heads
                 qg, kb, vb = qg_all[b, h], k_new[b, h], v_new[b, h]
+            samples, rows = self._rows[id(store)]
+            position = self.position[samples]  # (N,): each row's sample's
             slot = store.slot_of(position)
-            store.keys.index_copy_(1, slot, kb.to(store.keys.dtype))
-            store.values.index_copy_(1, slot, vb.to(store.values.dtype))
+            store.keys[rows, slot] = kb[:, 0].to(store.keys.dtype)
+            store.values[rows, slot] = vb[:, 0].to(store.values.dtype)
             if store.positions is not None:  # what an ordinary step after unfreeze() reads
-                store.positions.index_copy_(1, slot, position.to(store.positions.dtype).expand(n, 1))
-            result = decode_attention_masked(qg, store.keys, store.values, self.get(store.keep, store.keys.shape[1]),
-                                             scale)
+                store.positions[rows, slot] = position.to(store.positions.dtype)
+            visible = self.get(store.keep, store.keys.shape[1])[samples]  # (N, slots)
+            result = decode_attention_masked(qg, store.keys, store.values, visible, scale)
             if store.span is not None:
                 out[:, store.span[0] : store.span[1]] = result.view(batch, -1, group, dv).to(out.dtype)
             else:
@@ -213,14 +221,13 @@ class StaticDecoder:
                 f"{tuple(token.shape)} {token.dtype}"
             )
         self.layers = _frozen_layers(cache)
-        totals = {layer.total for layer in self.layers}
-        lengths = {n for layer in self.layers for n in layer.lengths}
-        if len(totals) != 1 or lengths != totals:
-            raise UnsupportedInputError(
-                f"static decode needs every sample as long and no padding; the cache holds {sorted(lengths)} real "
-                f"tokens per sample in {sorted(totals)} positions"
+        lengths = self.layers[0].lengths
+        if any(layer.lengths != lengths for layer in self.layers):
+            raise ElasticError(
+                "static decode: the cache's layers hold different lengths "
+                f"({sorted({tuple(layer.lengths) for layer in self.layers})}); it is inconsistent, start a new one"
             )
-        if len(self.layers[0].lengths) != token.shape[0]:
+        if len(lengths) != token.shape[0]:
             raise UnsupportedInputError(
                 f"static decode: token has batch {token.shape[0]} but the cache holds {len(self.layers[0].lengths)} samples"
             )
@@ -228,15 +235,15 @@ class StaticDecoder:
         self.graph_enabled = device.type == "cuda" if graph is None else graph
         if self.graph_enabled and device.type != "cuda":
             raise UnsupportedInputError(f"static decode: CUDA graphs need a CUDA device, the token is on {device}")
-        start = totals.pop()
         self.max_new_tokens = max_new_tokens
         self.warmup = warmup
         self.ids = token.clone()
-        self.position = torch.tensor([start], device=device, dtype=torch.long)
+        #: each sample's position: its real tokens so far (padding is not stored: canonical coordinates)
+        self.position = torch.tensor(lengths, device=device, dtype=torch.long)
         self.tokens = torch.zeros(token.shape[0], max_new_tokens, dtype=torch.long, device=device)
         self._index = torch.zeros(1, dtype=torch.long, device=device)
         self.shared = StaticStep(self.position)
-        capacity = -(-(start + max_new_tokens) // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
+        capacity = -(-(max(lengths) + max_new_tokens) // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
         frozen: list[ElasticKVLayer] = []
         try:
             for layer in self.layers:
@@ -254,7 +261,7 @@ class StaticDecoder:
 
     def _step(self) -> None:
         self.shared.refresh()
-        out = self.model(input_ids=self.ids, position_ids=self.position.view(1, 1), use_cache=True,
+        out = self.model(input_ids=self.ids, position_ids=self.position.view(-1, 1), use_cache=True,
                          logits_to_keep=1, **self._call_kwargs)
         token = out.logits[:, -1:].argmax(-1)
         self.tokens.index_copy_(1, self._index, token)
@@ -306,17 +313,23 @@ class StaticDecoder:
 
 
 @torch.no_grad()
-def static_greedy(model: Any, input_ids: torch.Tensor, max_new_tokens: int, *, graph: bool | None = None,
+def static_greedy(model: Any, input_ids: torch.Tensor, max_new_tokens: int, *,
+                  attention_mask: torch.Tensor | None = None, graph: bool | None = None,
                   cache: ElasticKVCache | None = None) -> torch.Tensor:
-    """Greedy generation of ``max_new_tokens`` tokens after ``input_ids`` (B, S) (every sample as
-    long, no padding) with an elastic model: the prefill on a compact cache, then
+    """Greedy generation of ``max_new_tokens`` tokens after ``input_ids`` (B, S) with an elastic
+    model: the prefill on a compact cache (``attention_mask`` (B, S) marks left padding, with
+    positions counted over the real tokens, as ``generate`` counts them), then
     :class:`StaticDecoder`. Returns (B, max_new_tokens), the tokens ``generate`` with greedy
     decoding and no end-of-sequence stop would give."""
     from elasticfw.model.elastic import cache_argument
 
     cache = cache if cache is not None else model.make_kv_cache()
+    extra: dict[str, Any] = {}
+    if attention_mask is not None:
+        extra = {"attention_mask": attention_mask,
+                 "position_ids": (attention_mask.long().cumsum(-1) - 1).clamp_min(0)}
     out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1,
-                **{cache_argument(getattr(model, "base", model)): cache})
+                **{cache_argument(getattr(model, "base", model)): cache}, **extra)
     first = out.logits[:, -1:].argmax(-1)
     if max_new_tokens == 1:
         return first
