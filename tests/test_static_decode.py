@@ -247,19 +247,21 @@ def test_a_mode_that_selects_keys_at_decode_is_refused_and_nothing_stays_frozen(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("router", [ALL_SPARSE, MIXED, ALL_FULL], ids=["all_streaming", "mixed", "all_full"])
 def test_replayed_graph_equals_generate_on_cuda(router):
-    """Eager warm-up steps, a capture, then replays: the tokens of generate on the same GPU."""
-    ids = prompt(batch=2, length=300, seed=11).cuda()
+    """Eager warm-up steps, a capture, then replays: the tokens of generate on the same GPU, for a
+    left-padded batch (300 and 257 real tokens)."""
+    ids, mask = (t.cuda() for t in padded_batch([300, 257], side="left", seed=11))
     model = tiny_model("llama").cuda()
     full = ElasticModel(model, section(router, "full"))
     full.base.generation_config.eos_token_id = None
     with torch.no_grad():
-        expected = full.generate(input_ids=ids, max_new_tokens=48, min_new_tokens=48, do_sample=False,
-                                 pad_token_id=0, eos_token_id=None)[:, ids.shape[1]:]
+        expected = full.generate(input_ids=ids, attention_mask=mask, max_new_tokens=48, min_new_tokens=48,
+                                 do_sample=False, pad_token_id=0, eos_token_id=None)[:, ids.shape[1]:]
     full.unwrap()
     elastic = ElasticModel(model, section(router, "compact"))
     cache = elastic.make_kv_cache()
     with torch.no_grad():
-        out = elastic(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        out = elastic(input_ids=ids, attention_mask=mask, position_ids=(mask.long().cumsum(-1) - 1).clamp_min(0),
+                      cache=cache, use_cache=True, logits_to_keep=1)
         first = out.logits[:, -1:].argmax(-1)
         with StaticDecoder(elastic, cache, first, max_new_tokens=47) as decoder:
             rest = decoder.run()
