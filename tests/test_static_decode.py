@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from elasticfw.attention.mode import DecodeKeep
 from elasticfw.errors import ElasticError, UnsupportedInputError
@@ -267,3 +268,53 @@ def test_replayed_graph_equals_generate_on_cuda(router):
             rest = decoder.run()
             assert decoder.graph is not None  # captured, and replayed for 45 of the 47 steps
     assert torch.equal(torch.cat([first, rest], dim=1), expected)
+
+
+# -- what a captured graph needs, checked on the CPU ----------------------------------------------
+class _Recorder(TorchDispatchMode):
+    """Every operator a step dispatches, with its arguments' shapes, dtypes and plain values; an
+    operator that reads a tensor's value on the host fails at once."""
+
+    HOST_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+                  torch.ops.aten.equal.default, torch.ops.aten.masked_select.default}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.HOST_READS:
+            raise AssertionError(f"{func} reads the device on the host inside a static step")
+
+        def describe(x):
+            if isinstance(x, torch.Tensor):
+                return ("T", tuple(x.shape), x.dtype)
+            if isinstance(x, (list, tuple)):
+                return tuple(describe(y) for y in x)
+            return x if isinstance(x, (int, float, bool, str, type(None), torch.dtype, torch.device)) else type(x)
+
+        self.calls.append((str(func), describe(args), describe(tuple(sorted(kwargs.items())))))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("router", [MIXED, ALL_FULL], ids=["mixed", "all_full"])
+def test_a_frozen_step_is_replayable(router):
+    """What replaying one captured step relies on: consecutive steps dispatch the same operators
+    with the same shapes and the same plain (host) arguments — a position, slot or length baked in
+    as a host number would differ — and none reads a tensor's value on the host (an ``item()``, a
+    boolean index or ``nonzero``, which a CUDA graph cannot capture)."""
+    ids, mask = padded_batch([70, 52], side="left", seed=12)
+    elastic = ElasticModel(tiny_model("llama"), section(router, "compact"))
+    cache = elastic.make_kv_cache()
+    with torch.no_grad():
+        out = elastic(input_ids=ids, attention_mask=mask, position_ids=(mask.long().cumsum(-1) - 1).clamp_min(0),
+                      cache=cache, use_cache=True, logits_to_keep=1)
+        decoder = StaticDecoder(elastic, cache, out.logits[:, -1:].argmax(-1), max_new_tokens=40, graph=False)
+        decoder.run(30)  # the rings of 32 slots wrap between the recorded steps
+        steps = []
+        for _ in range(2):
+            with _Recorder() as recorder:
+                decoder._step()
+            steps.append(recorder.calls)
+    assert len(steps[0]) > 50 and steps[0] == steps[1]
