@@ -273,10 +273,12 @@ def test_replayed_graph_equals_generate_on_cuda(router):
 # -- what a captured graph needs, checked on the CPU ----------------------------------------------
 class _Recorder(TorchDispatchMode):
     """Every operator a step dispatches, with its arguments' shapes, dtypes and plain values; an
-    operator that reads a tensor's value on the host fails at once."""
+    operator that reads a tensor's value on the host, or makes a tensor of host data (whose value a
+    captured graph would keep), fails at once."""
 
     HOST_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
-                  torch.ops.aten.equal.default, torch.ops.aten.masked_select.default}
+                  torch.ops.aten.equal.default, torch.ops.aten.masked_select.default,
+                  torch.ops.aten.lift_fresh.default}
 
     def __init__(self) -> None:
         super().__init__()
@@ -303,7 +305,8 @@ def test_a_frozen_step_is_replayable(router):
     """What replaying one captured step relies on: consecutive steps dispatch the same operators
     with the same shapes and the same plain (host) arguments — a position, slot or length baked in
     as a host number would differ — and none reads a tensor's value on the host (an ``item()``, a
-    boolean index or ``nonzero``, which a CUDA graph cannot capture)."""
+    boolean index or ``nonzero``, which a CUDA graph cannot capture) or makes a tensor of host
+    data (``torch.tensor(position)``, which a graph would replay with the captured value)."""
     ids, mask = padded_batch([70, 52], side="left", seed=12)
     elastic = ElasticModel(tiny_model("llama"), section(router, "compact"))
     cache = elastic.make_kv_cache()
