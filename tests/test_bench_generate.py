@@ -28,7 +28,7 @@ SMOKE = ["bench", "generate", "--device", "cpu", "--dtype", "fp32", "--model", "
 ELASTIC = ("elastic:split:fa-ssa:msr=0.5:full_cache", "elastic:split:fa-ssa:msr=0.5:compact_cache",
            "elastic:static:fa-ssa:msr=0.5:compact_cache")
 #: static decoding with every head full: its MSR is 0 and its tokens are dense attention's
-STATIC_FULL = "full-heads:static:compact_cache"
+STATIC_FULL = generate.STATIC_FULL_HEADS
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,8 @@ from elasticfw.provenance import environment
 #: new tokens of each warm-up generation (the prompt is the timed one's): enough decode steps to
 #: compile every specialisation of the decode kernels (Triton specialises lengths divisible by 16)
 WARMUP_TOKENS = 32
+#: the row of static decoding with every head full (the baseline of ``*_over_static_full``)
+STATIC_FULL_HEADS = "full-heads:static:compact_cache"
 #: the ratios of each row, over the same (model, seq, batch)'s dense SDPA baseline
 RATIOS = {"ttft_over_dense": "ttft_ms", "decode_step_over_dense": "decode_step_ms", "e2e_over_dense": "e2e_ms"}
 
@@ -294,14 +296,16 @@ def bench_model(shape: str, args: argparse.Namespace, device: torch.device, repo
             # beside the same static path with every head full (its baseline: dense attention decoded
             # without the host's per-step work)
             full_router, _ = prefill.fixed_router(0.0, layers, kv_heads)
+            eager_compact = f"elastic:{args.executor}:{hybrid}:compact_cache"
+            static_compact, static_full_heads = f"elastic:static:{hybrid}:compact_cache", STATIC_FULL_HEADS
             elastic_variants = [
                 (f"elastic:{args.executor}:{hybrid}:full_cache", router, realised, "full", False),
-                (f"elastic:{args.executor}:{hybrid}:compact_cache", router, realised, "compact", False),
+                (eager_compact, router, realised, "compact", False),
             ]
             if not args.no_static:
                 elastic_variants += [
-                    (f"elastic:static:{hybrid}:compact_cache", router, realised, "compact", True),
-                    ("full-heads:static:compact_cache", full_router, 0.0, "compact", True),
+                    (static_compact, router, realised, "compact", True),
+                    (static_full_heads, full_router, 0.0, "compact", True),
                 ]
             for label, routing, msr, kv_cache, static in elastic_variants:
                 def elastic_body(row: dict[str, Any], kv_cache: str = kv_cache, ids: torch.Tensor = ids,
@@ -334,14 +338,13 @@ def bench_model(shape: str, args: argparse.Namespace, device: torch.device, repo
                 run({"variant": label, "kind": "static" if static else "elastic", "executor": args.executor,
                      "config": "fa-ssa", "cache": kv_cache, "target_msr": msr, "decode": "static" if static else "eager"},
                     elastic_body)
-            static_full = next((r for r in rows if r["variant"] == "full-heads:static:compact_cache"
-                                and r.get("decode_step_ms") and r.get("error") is None), None)
-            eager = next((r for r in rows if r["variant"].endswith(f"{hybrid}:compact_cache") and r.get("tokens")
-                          and r.get("decode") == "eager"), None)
+            by_label = {r["variant"]: r for r in rows if r.get("error") is None and r.get("skipped") is None}
+            static_full, eager_row, static_row = (by_label.get(k) for k in (static_full_heads, eager_compact,
+                                                                            static_compact))
+            if static_row is not None and eager_row is not None:  # the same routing and cache, decoded both ways
+                same = torch.tensor(static_row["tokens"]) == torch.tensor(eager_row["tokens"])
+                static_row["tokens_equal_eager_compact"] = float(same.float().mean())
             for r in rows:
-                if r.get("decode") == "static" and r.get("tokens") and eager is not None and r["target_msr"] == realised:
-                    same = torch.tensor(r["tokens"]) == torch.tensor(eager["tokens"])
-                    r["tokens_equal_eager_compact"] = float(same.float().mean())
                 if static_full is not None and r.get("decode_step_ms") is not None:
                     r["decode_step_over_static_full"] = r["decode_step_ms"] / static_full["decode_step_ms"]
                     r["e2e_over_static_full"] = r["e2e_ms"] / static_full["e2e_ms"]

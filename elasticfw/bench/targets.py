@@ -37,9 +37,23 @@ GENERATE_BATCHES = (1, 8)
 GENERATE_NEW_TOKENS = 256
 GENERATE_VARIANT = f"FA-SSA MSR {MSR} compact cache"
 GENERATE_ROW = f"elastic:split:fa-ssa:msr={MSR:g}:compact_cache"
-#: the same cache decoded by elasticfw.model.static_decode (a CUDA graph replayed per step)
-GENERATE_STATIC_ROW = f"elastic:static:fa-ssa:msr={MSR:g}:compact_cache"
-GENERATE_STATIC = "static decode"
+#: the compact cache's two decode paths: (figure suffix, key prefix, row): eager steps, and
+#: elasticfw.model.static_decode (a CUDA graph replayed per step)
+GENERATE_DECODES = (("", "", GENERATE_ROW),
+                    (", static decode", "static-", f"elastic:static:fa-ssa:msr={MSR:g}:compact_cache"))
+
+
+def _generate_figures() -> list[tuple[str, str, float]]:
+    """(figure, reader key, target) of the generate benchmark, per decode path."""
+    out = []
+    for suffix, prefix, _ in GENERATE_DECODES:
+        variant = f"{GENERATE_VARIANT}{suffix}"
+        out += [(f"generate decode step @{label}, batch {batch}, {variant} / dense", f"{prefix}step@{label}/b{batch}",
+                 target) for batch in GENERATE_BATCHES for label, _, target in GENERATE_LENGTHS]
+        out.append((f"generate end to end @128K + {GENERATE_NEW_TOKENS} tokens, batch 1, {variant} / dense",
+                    f"{prefix}e2e@128K/b1", 0.55))
+    return out
+
 
 #: (figure, target, "<=" or ">=") in the targets table's order; the mode layers follow the planning rows
 FIGURES: list[tuple[str, float, str]] = [
@@ -48,15 +62,9 @@ FIGURES: list[tuple[str, float, str]] = [
     ("model prefill @128K, MSR 0 / dense", 0.97, ">="),
     ("model prefill @128K, FA-SSA MSR 0.875 / dense", 2.3, ">="),
     ("model prefill @32K, FA-SSA MSR 0.875 / dense", 1.4, ">="),
-    # end-to-end generation (elasticfw bench generate): FA-SSA MSR 0.875 with the compact KV cache
-    *[(f"generate decode step @{label}, batch {batch}, {GENERATE_VARIANT} / dense", target, "<=")
-      for batch in GENERATE_BATCHES for label, _, target in GENERATE_LENGTHS],
-    (f"generate end to end @128K + {GENERATE_NEW_TOKENS} tokens, batch 1, {GENERATE_VARIANT} / dense", 0.55, "<="),
-    # the same figures with static decoding of the compact cache
-    *[(f"generate decode step @{label}, batch {batch}, {GENERATE_VARIANT}, {GENERATE_STATIC} / dense", target, "<=")
-      for batch in GENERATE_BATCHES for label, _, target in GENERATE_LENGTHS],
-    (f"generate end to end @128K + {GENERATE_NEW_TOKENS} tokens, batch 1, {GENERATE_VARIANT}, {GENERATE_STATIC} / dense",
-     0.55, "<="),
+    # end-to-end generation (elasticfw bench generate): FA-SSA MSR 0.875 with the compact KV cache,
+    # decoded eagerly and statically
+    *[(figure, target, "<=") for figure, _, target in _generate_figures()],
     *[(f"{label} planning @128K / dense", target, "<=") for label, target in PLANNING.values()],
     ("router, all layers, per layer", 0.1, "<="),
     ("CPU (2 cores), demo at 1.4K tokens: all-streaming time / full time", 1.0, "<="),
@@ -247,7 +255,7 @@ def _generate(data: dict[str, Any]) -> dict[str, float | None]:
     """The compact-cache FA-SSA rows' decode step and end-to-end time over dense, per length and
     batch: eager decoding (keys ``step@...``, ``e2e@...``) and static decoding (``static-`` before them)."""
     out: dict[str, float | None] = {}
-    for prefix, variant in (("", GENERATE_ROW), ("static-", GENERATE_STATIC_ROW)):
+    for _, prefix, variant in GENERATE_DECODES:
         rows = [r for r in data.get("results", []) if isinstance(r, dict) and r.get("error") is None
                 and r.get("model") == "llama-3.1-8b" and r.get("variant") == variant]
 
@@ -301,15 +309,7 @@ SOURCES: dict[str, tuple[str, str]] = {
     FIGURES[2][0]: ("elasticfw.bench.prefill", "msr0@128K"),
     FIGURES[3][0]: ("elasticfw.bench.prefill", "fa_ssa@128K"),
     FIGURES[4][0]: ("elasticfw.bench.prefill", "fa_ssa@32K"),
-    **{f"generate decode step @{label}, batch {batch}, {GENERATE_VARIANT} / dense":
-       ("elasticfw.bench.generate", f"step@{label}/b{batch}") for batch in GENERATE_BATCHES for label, _, _ in GENERATE_LENGTHS},
-    f"generate end to end @128K + {GENERATE_NEW_TOKENS} tokens, batch 1, {GENERATE_VARIANT} / dense":
-        ("elasticfw.bench.generate", "e2e@128K/b1"),
-    **{f"generate decode step @{label}, batch {batch}, {GENERATE_VARIANT}, {GENERATE_STATIC} / dense":
-       ("elasticfw.bench.generate", f"static-step@{label}/b{batch}")
-       for batch in GENERATE_BATCHES for label, _, _ in GENERATE_LENGTHS},
-    f"generate end to end @128K + {GENERATE_NEW_TOKENS} tokens, batch 1, {GENERATE_VARIANT}, {GENERATE_STATIC} / dense":
-        ("elasticfw.bench.generate", "static-e2e@128K/b1"),
+    **{figure: ("elasticfw.bench.generate", key) for figure, key, _ in _generate_figures()},
     **{f"{label} planning @128K / dense": ("elasticfw.bench.attention", f"plan:{mode}")
        for mode, (label, _) in PLANNING.items()},
     "router, all layers, per layer": ("router_overhead", "router"),
